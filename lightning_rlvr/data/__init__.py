@@ -1,0 +1,7 @@
+"""Prompt sources, the scored rollout batch and the RolloutDataModule."""
+
+from lightning_rlvr.data.batch import RolloutBatch
+from lightning_rlvr.data.datamodule import RolloutDataModule
+from lightning_rlvr.data.sources import BuiltinTask, FileSource, PromptSource, load_problems
+
+__all__ = ["BuiltinTask", "FileSource", "PromptSource", "RolloutBatch", "RolloutDataModule", "load_problems"]

@@ -1,0 +1,356 @@
+"""RolloutDataModule: prompts in, scored rollouts out — generation and verification live here.
+
+The dataloader yields *prompts* (cheap to prefetch); completions are generated only when the training
+step asks for them through :meth:`RolloutDataModule.rollout`, with the policy as it is at that moment.
+Lightning's fit loop fetches one batch ahead, so generating inside the dataloader's iterator would train
+on rollouts of the previous policy (silently off-policy by one step). Each batch records the policy version
+that generated it, and the module checks it against the version it trains.
+
+One rollout of ``prompts_per_step`` prompts:
+
+1. sync the policy into the engine if it changed (its version counter moved);
+2. generate ``group_size`` completions per prompt;
+3. cut each completion at its first EOS: a completion without EOS is *truncated* and scores 0, and one
+   with a special token inside its answer scores 0 (decoding with ``skip_special_tokens`` would let the
+   policy game the reward: ``<pad>4<unk>4`` read as ``44``);
+4. score the rest with the verifier (a crash or hang scores 0 and is counted);
+5. optionally add DAPO's overlong penalty, and with ``dynamic_sampling`` drop groups whose rewards are all
+   equal and generate again for fresh prompts until ``prompts_per_step`` informative groups are kept or
+   ``max_generation_rounds`` is reached.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_rlvr.algorithms.sampling import informative_groups, overlong_penalty
+from lightning_rlvr.data.batch import RolloutBatch
+from lightning_rlvr.data.sources import BuiltinTask, PromptSource
+from lightning_rlvr.metrics.pass_at_k import pass_at_k
+from lightning_rlvr.rollout.base import RolloutEngine, SamplingConfig
+from lightning_rlvr.rollout.hf import HFEngine
+from lightning_rlvr.tasks import Problem
+from lightning_rlvr.verifiers.base import Verifier, VerifierRunner
+from lightning_rlvr.verifiers.exact import ExactMatchVerifier
+
+__all__ = ["RolloutDataModule"]
+
+
+class _ProblemDataset(Dataset):
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def __getitem__(self, index: int) -> Problem:
+        return self.problems[index]
+
+
+def _as_list(items: list[Problem]) -> list[Problem]:
+    return list(items)
+
+
+@dataclass
+class _Scored:
+    """One scored completion before batching."""
+
+    group: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    answer: str
+    score: float
+    truncated: bool
+    invalid: bool
+
+
+class RolloutDataModule(pl.LightningDataModule):
+    """Owns the prompt source, the rollout engine and the verifier.
+
+    Args:
+        source: where problems come from (default: the built-in ``addition`` task).
+        verifier: scores completions (default: :class:`~lightning_rlvr.verifiers.ExactMatchVerifier`).
+        engine: generates completions (default: :class:`~lightning_rlvr.rollout.HFEngine`).
+        prompts_per_step: prompts per rollout batch (per rank under DDP).
+        group_size: ``G``, completions per prompt.
+        max_new_tokens: generation limit per completion.
+        temperature: sampling temperature (the trainer computes log-probs at the same temperature).
+        top_p: nucleus sampling (1.0 = off).
+        top_k: top-k sampling (0 = off).
+        prompt_template: ``str.format`` template applied to each prompt (``{prompt}``).
+        dynamic_sampling: DAPO dynamic sampling (keep only groups with non-identical rewards, refill).
+        max_generation_rounds: generation rounds allowed per step when dynamic sampling refills.
+        overlong_buffer: DAPO's ``L_cache`` (tokens before ``max_new_tokens`` where the length penalty ramps);
+            0 disables overlong shaping.
+        overlong_penalty_factor: the penalty at ``max_new_tokens``.
+        val_batch_size: held-out prompts per validation batch.
+        val_max_prompts: cap on held-out prompts evaluated (``None`` = all).
+        val_samples: samples per held-out prompt for pass@k (0 disables pass@k).
+        val_k: the ``k`` of ``val/pass_at_k`` (``1 ≤ k ≤ val_samples``).
+        verifier_timeout_s: time limit of one verifier call.
+        verifier_workers: verifier pool size (thread / process isolation).
+        seed: seed of the refill sampler of dynamic sampling.
+    """
+
+    def __init__(
+        self,
+        source: PromptSource | None = None,
+        verifier: Verifier | None = None,
+        engine: RolloutEngine | None = None,
+        prompts_per_step: int = 16,
+        group_size: int = 8,
+        max_new_tokens: int = 4,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        prompt_template: str = "{prompt}",
+        dynamic_sampling: bool = False,
+        max_generation_rounds: int = 3,
+        overlong_buffer: int = 0,
+        overlong_penalty_factor: float = 1.0,
+        val_batch_size: int = 512,
+        val_max_prompts: int | None = None,
+        val_samples: int = 8,
+        val_k: int = 8,
+        verifier_timeout_s: float = 5.0,
+        verifier_workers: int = 2,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if max_generation_rounds < 1:
+            raise ValueError(f"max_generation_rounds must be >= 1, got {max_generation_rounds}")
+        if not 0 <= overlong_buffer <= max_new_tokens:
+            raise ValueError(f"overlong_buffer must be in [0, max_new_tokens={max_new_tokens}], got {overlong_buffer}")
+        if val_samples < 0 or (val_samples > 0 and not 1 <= val_k <= val_samples):
+            raise ValueError(f"need val_samples >= 0 and 1 <= val_k <= val_samples, got {val_samples=}, {val_k=}")
+        if val_batch_size < 1:
+            raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
+        if "{prompt}" not in prompt_template:
+            raise ValueError(f"prompt_template must contain '{{prompt}}', got {prompt_template!r}")
+        self.source = source if source is not None else BuiltinTask()
+        self.verifier = verifier if verifier is not None else ExactMatchVerifier()
+        self.engine = engine if engine is not None else HFEngine()
+        self.prompts_per_step = prompts_per_step
+        self.group_size = group_size
+        self.sampling = SamplingConfig(max_new_tokens, temperature, top_p, top_k)
+        self.prompt_template = prompt_template
+        self.dynamic_sampling = dynamic_sampling
+        self.max_generation_rounds = max_generation_rounds
+        self.overlong_buffer = overlong_buffer
+        self.overlong_penalty_factor = overlong_penalty_factor
+        self.val_batch_size = val_batch_size
+        self.val_max_prompts = val_max_prompts
+        self.val_samples = val_samples
+        self.val_k = val_k
+        self.runner = VerifierRunner(self.verifier, verifier_timeout_s, verifier_workers)
+        self._refill_rng = random.Random(seed)
+        self.tokenizer = None
+        self._prompt_cache: dict[str, list[int]] = {}
+        self._synced_version: int | None = None
+
+    # -- wiring --------------------------------------------------------------------------------------------
+    def connect(self, tokenizer) -> None:
+        """Give the DataModule the policy's tokenizer (done automatically in :meth:`setup` under a Trainer)."""
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; completions cannot be cut at EOS")
+        self.tokenizer = tokenizer
+        self._special_ids = set(tokenizer.all_special_ids)
+        self._prompt_cache.clear()
+
+    def setup(self, stage: str) -> None:
+        if self.tokenizer is None and self.trainer is not None:
+            tokenizer = getattr(self.trainer.lightning_module, "tokenizer", None)
+            if tokenizer is None:
+                raise RuntimeError("RolloutDataModule needs a LightningModule with a `tokenizer` attribute")
+            self.connect(tokenizer)
+
+    def teardown(self, stage: str) -> None:
+        self.runner.close()
+
+    def train_dataloader(self) -> DataLoader:
+        problems = self.source.train_problems()
+        if len(problems) < self.prompts_per_step:
+            raise ValueError(f"{len(problems)} training problems, fewer than prompts_per_step={self.prompts_per_step}")
+        return DataLoader(_ProblemDataset(problems), batch_size=self.prompts_per_step, shuffle=True, drop_last=True,
+                          collate_fn=_as_list)
+
+    def val_dataloader(self) -> DataLoader:
+        problems = self.source.held_out_problems()[: self.val_max_prompts]
+        return DataLoader(_ProblemDataset(problems), batch_size=self.val_batch_size, shuffle=False,
+                          collate_fn=_as_list)
+
+    # -- generation ----------------------------------------------------------------------------------------
+    def _prompt_ids(self, problem: Problem) -> list[int]:
+        ids = self._prompt_cache.get(problem.prompt)
+        if ids is None:
+            text = self.prompt_template.format(prompt=problem.prompt)
+            ids = self.tokenizer(text, add_special_tokens=True).input_ids
+            self._prompt_cache[problem.prompt] = ids
+        return ids
+
+    def _sync_policy(self) -> int:
+        module = self.trainer.lightning_module
+        version = int(module.policy_version)
+        if self._synced_version != version:
+            self.engine.sync(module.policy, version)
+            self._synced_version = version
+        return version
+
+    def _generate_and_score(self, problems: list[Problem], n: int, sampling: SamplingConfig,
+                            first_group: int = 0) -> tuple[list[_Scored], int]:
+        prompts = [self._prompt_ids(p) for p in problems]
+        out = self.engine.generate(prompts, n, sampling)
+        eos = self.tokenizer.eos_token_id
+        rows: list[_Scored] = []
+        to_verify: list[int] = []
+        for i, tokens in enumerate(out.completion_ids.tolist()):
+            problem_index = i // n
+            try:
+                length = tokens.index(eos) + 1
+                truncated = False
+            except ValueError:
+                length, truncated = len(tokens), True
+            answer_tokens = tokens[: length - 1] if not truncated else tokens
+            invalid = any(t in self._special_ids for t in answer_tokens)
+            text = self.tokenizer.decode(answer_tokens, skip_special_tokens=False)
+            rows.append(_Scored(first_group + problem_index, prompts[problem_index], tokens[:length], text,
+                                problems[problem_index].answer, 0.0, truncated, invalid))
+            if not truncated and not invalid:
+                to_verify.append(i)
+        scores, errors = self.runner.score_batch([rows[i].text for i in to_verify], [rows[i].answer for i in to_verify])
+        for i, score in zip(to_verify, scores):
+            rows[i].score = score
+        return rows, errors
+
+    def rollout(self, problems: list[Problem]) -> RolloutBatch:
+        """Generate, verify and batch ``group_size`` completions for each prompt with the current policy."""
+        if self.tokenizer is None:
+            raise RuntimeError("RolloutDataModule.rollout called before setup()/connect(tokenizer)")
+        version = self._sync_policy()
+        kept: list[_Scored] = []
+        all_rows: list[_Scored] = []
+        errors, rounds, n_groups_seen, n_groups_kept = 0, 0, 0, 0
+        first_round_zero_std = 0.0
+        pending = list(problems)
+        last_rows: list[_Scored] = []
+        while True:
+            rounds += 1
+            rows, round_errors = self._generate_and_score(pending, self.group_size, self.sampling, n_groups_seen)
+            errors += round_errors
+            all_rows += rows
+            last_rows = rows
+            rewards = self._shaped_rewards(rows)
+            group_ids = torch.tensor([r.group for r in rows])
+            informative = informative_groups(rewards, group_ids, keep_singletons=True)
+            n_informative = int(informative.view(len(pending), self.group_size)[:, 0].sum()) if self.group_size > 1 \
+                else len(pending)
+            if rounds == 1:
+                first_round_zero_std = 1.0 - n_informative / len(pending)
+            n_groups_seen += len(pending)
+            if not self.dynamic_sampling:
+                kept = rows
+                n_groups_kept = len(pending)
+                break
+            kept += [r for r, keep in zip(rows, informative.tolist()) if keep]
+            n_groups_kept += n_informative
+            if n_groups_kept >= self.prompts_per_step or rounds >= self.max_generation_rounds:
+                break
+            missing = self.prompts_per_step - n_groups_kept
+            pending = self._refill_rng.sample(self.source.train_problems(), missing)
+        if self.dynamic_sampling:
+            if n_groups_kept == 0:
+                rank_zero_warn("dynamic sampling kept no informative group; training on the last (zero-advantage) round")
+                kept, n_groups_kept = last_rows, len(last_rows) // self.group_size
+            elif n_groups_kept > self.prompts_per_step:  # truncate to exactly prompts_per_step groups (DAPO)
+                keep_groups = sorted({r.group for r in kept})[: self.prompts_per_step]
+                kept = [r for r in kept if r.group in set(keep_groups)]
+                n_groups_kept = self.prompts_per_step
+            elif n_groups_kept < self.prompts_per_step:
+                rank_zero_warn(
+                    f"dynamic sampling kept {n_groups_kept}/{self.prompts_per_step} groups after "
+                    f"{rounds} rounds (max_generation_rounds); training on fewer prompts this step"
+                )
+        batch = self._to_batch(kept, version)
+        generated = len(all_rows)
+        batch.stats.update({
+            "reward/verifier_errors": float(errors),
+            "rollout/zero_std_groups": first_round_zero_std,
+            "rollout/generation_rounds": float(rounds),
+            "rollout/kept_groups": float(n_groups_kept),
+            "rollout/truncated": sum(r.truncated for r in all_rows) / generated,
+            "rollout/invalid": sum(r.invalid for r in all_rows) / generated,
+        })
+        return batch
+
+    def _shaped_rewards(self, rows: list[_Scored]) -> torch.Tensor:
+        rewards = torch.tensor([r.score for r in rows], dtype=torch.float32)
+        if self.overlong_buffer > 0:
+            lengths = torch.tensor([len(r.completion_ids) for r in rows])
+            rewards = rewards + overlong_penalty(lengths, self.sampling.max_new_tokens, self.overlong_buffer,
+                                                 self.overlong_penalty_factor)
+        return rewards
+
+    def _to_batch(self, rows: list[_Scored], version: int) -> RolloutBatch:
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        prompt_ids, prompt_mask = RolloutEngine.left_pad([r.prompt_ids for r in rows], pad)
+        width = max(len(r.completion_ids) for r in rows)
+        completion = torch.full((len(rows), width), pad, dtype=torch.long)
+        response_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            completion[i, : len(r.completion_ids)] = torch.tensor(r.completion_ids, dtype=torch.long)
+            response_mask[i, : len(r.completion_ids)] = 1.0
+        # Group ids are renumbered 0..n_groups-1 in order of appearance.
+        remap: dict[int, int] = {}
+        group_ids = torch.tensor([remap.setdefault(r.group, len(remap)) for r in rows], dtype=torch.long)
+        scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
+        rewards = self._shaped_rewards(rows)
+        correct = scores > 0.5
+        lengths = response_mask.sum(-1)
+        return RolloutBatch(
+            input_ids=torch.cat([prompt_ids, completion], dim=1),
+            attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
+            response_mask=response_mask,
+            prompt_length=prompt_ids.shape[1],
+            rewards=rewards,
+            scores=scores,
+            correct=correct,
+            truncated=torch.tensor([r.truncated for r in rows]),
+            group_ids=group_ids,
+            policy_version=version,
+            temperature=self.sampling.temperature,
+            completions=[r.text for r in rows],
+            answers=[r.answer for r in rows],
+            stats={
+                "reward/mean": rewards.mean().item(),
+                "reward/accuracy": correct.float().mean().item(),
+                "rollout/response_length": lengths.mean().item(),
+                "rollout/response_length_max": lengths.max().item(),
+            },
+        )
+
+    # -- evaluation ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, problems: list[Problem]) -> dict[str, torch.Tensor]:
+        """Greedy correctness and (if ``val_samples > 0``) unbiased pass@k per held-out problem."""
+        if self.tokenizer is None:
+            raise RuntimeError("RolloutDataModule.evaluate called before setup()/connect(tokenizer)")
+        self._sync_policy()
+        greedy = SamplingConfig(self.sampling.max_new_tokens, greedy=True)
+        rows, _ = self._generate_and_score(problems, 1, greedy)
+        result = {"greedy_correct": torch.tensor([r.score > 0.5 for r in rows], dtype=torch.float32)}
+        if self.val_samples > 0:
+            rows, _ = self._generate_and_score(problems, self.val_samples, self.sampling)
+            correct = torch.tensor([r.score > 0.5 for r in rows], dtype=torch.float32).view(len(problems), -1)
+            result["pass_at_k"] = pass_at_k(self.val_samples, correct.sum(-1), self.val_k)
+        return result

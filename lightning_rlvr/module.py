@@ -1,0 +1,400 @@
+"""RLVRModule: the LightningModule that learns from scored rollouts (GRPO family, PPO-clipped, manual optimization).
+
+One training step = one rollout batch:
+
+1. ask the DataModule for a rollout of the prompts (generated with the current policy, checked by version);
+2. outcome advantages per completion (GRPO / Dr.GRPO / RLOO), broadcast to every response token;
+3. old-policy log-probs and entropy once, without gradient (and reference log-probs when ``kl_coef > 0``).
+   With a single update per rollout (``ppo_epochs=1`` and one minibatch) the rollout is exactly on-policy,
+   so the old log-probs *are* the current ones detached and that extra forward pass is skipped;
+4. ``ppo_epochs`` × minibatches optimizer steps of the clipped surrogate (+ KL), each minibatch optionally
+   split into micro-batches whose losses share the minibatch-wide normaliser (so accumulation gives the
+   exact minibatch gradient);
+5. per-step metrics (MLflow-safe names): ``reward/*``, ``rollout/*``, ``entropy/*``, ``policy/*``, ``loss/*``.
+
+``trainer.global_step`` counts optimizer steps (Lightning's manual-optimization semantics), so
+``max_steps = rollout steps × ppo_epochs × minibatches``; the logger's step counts rollout batches.
+
+Example::
+
+    >>> module = RLVRModule(model="builtin:tiny", learning_rate=3e-4)
+    >>> module.tokenizer.eos_token
+    '<eos>'
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from lightning_rlvr.algorithms import (
+    AggregationMode,
+    KLEstimator,
+    aggregate_loss,
+    aggregation_normalizer,
+    grpo_advantages,
+    kl_penalty,
+    ppo_clip_loss,
+    rloo_advantages,
+)
+from lightning_rlvr.algorithms.aggregation import AGGREGATION_MODES
+from lightning_rlvr.data.batch import RolloutBatch
+from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
+from lightning_rlvr.ops import TokenStats, token_logprobs_and_entropy
+
+__all__ = ["RLVRModule"]
+
+BUILTIN_MODEL = "builtin:tiny"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+class RLVRModule(pl.LightningModule):
+    """Policy-gradient learner for reinforcement learning with verifiable rewards.
+
+    Args:
+        model: ``"builtin:tiny"`` (the offline tiny Qwen2 + character tokenizer), a local directory or a hub id
+            loaded with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+        tiny_model: shape of the built-in model (used only with ``"builtin:tiny"``).
+        dtype: parameter dtype of the policy (``None`` keeps the checkpoint's; ``"bfloat16"`` on GPUs).
+        learning_rate: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: linear learning-rate warmup, in optimizer steps (then constant).
+        max_grad_norm: clip the gradient's global L2 norm (``None`` = no clipping; the norm is still logged).
+        ppo_epochs: passes over each rollout batch.
+        minibatch_size: completions per optimizer step (``None`` = the whole rollout batch).
+        micro_batch_size: completions per forward/backward (``None`` = the whole minibatch).
+        advantage: ``"grpo"`` (group-normalised; arXiv 2402.03300) or ``"rloo"`` (leave-one-out baseline).
+        normalize_advantage_by_std: divide GRPO advantages by the group std (``False`` = Dr.GRPO, 2503.20783).
+        clip_low: PPO ε_low.
+        clip_high: PPO ε_high (0.28 = DAPO's clip-higher, arXiv 2503.14476).
+        dual_clip: dual-clip constant ``c > 1`` for negative advantages (``None`` = off; verl uses 3.0).
+        loss_aggregation: ``token-mean`` (DAPO), ``seq-mean-token-sum``, ``seq-mean-token-mean`` (GRPO paper)
+            or ``seq-mean-token-sum-norm`` (Dr.GRPO).
+        loss_scale_factor: the constant of ``seq-mean-token-sum-norm`` (default: padded response length).
+        kl_coef: weight β of the KL-to-reference term in the loss; the reference model is loaded only if > 0.
+        kl_estimator: ``k1``, ``abs``, ``k2``, ``k3`` (low-variance) or ``k3+`` (k3 value, k2 gradient).
+        logprob_chunk_size: tokens per chunk of the log-prob/entropy kernel (bounds the float32 softmax).
+        trust_remote_code: passed to ``from_pretrained``.
+    """
+
+    def __init__(
+        self,
+        model: str = BUILTIN_MODEL,
+        tiny_model: TinyModelConfig | None = None,
+        dtype: Literal["float32", "bfloat16", "float16"] | None = None,
+        learning_rate: float = 3e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        max_grad_norm: float | None = None,
+        ppo_epochs: int = 1,
+        minibatch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        advantage: Literal["grpo", "rloo"] = "grpo",
+        normalize_advantage_by_std: bool = True,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        dual_clip: float | None = None,
+        loss_aggregation: AggregationMode = "token-mean",
+        loss_scale_factor: float | None = None,
+        kl_coef: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+        logprob_chunk_size: int = 1024,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        self._validate(locals())
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.strict_loading = False  # the frozen reference model is not in checkpoints
+        self._tmpdir: tempfile.TemporaryDirectory | None = None
+        if model == BUILTIN_MODEL:
+            self._tmpdir = tempfile.TemporaryDirectory(prefix="lightning_rlvr_tiny_")
+            self.model_path = build_tiny_model(self._tmpdir.name, tiny_model or TinyModelConfig())
+        else:
+            self.model_path = model
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.policy: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.policy_version = 0
+        self.val_accuracy = MeanMetric()
+        self.val_pass_at_k = MeanMetric()
+
+    @staticmethod
+    def _validate(args: dict[str, Any]) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = args[name]
+            if (value is None and not allow_none) or (value is not None and value <= 0):
+                raise ValueError(f"RLVRModule: {name} must be > 0, got {value}")
+
+        positive("learning_rate")
+        for name in ("minibatch_size", "micro_batch_size", "max_grad_norm", "loss_scale_factor"):
+            positive(name, allow_none=True)
+        for name in ("ppo_epochs", "logprob_chunk_size"):
+            if args[name] < 1:
+                raise ValueError(f"RLVRModule: {name} must be >= 1, got {args[name]}")
+        for name in ("weight_decay", "warmup_steps", "kl_coef", "clip_low", "clip_high"):
+            if args[name] < 0:
+                raise ValueError(f"RLVRModule: {name} must be >= 0, got {args[name]}")
+        if args["clip_low"] >= 1:
+            raise ValueError(f"RLVRModule: clip_low must be < 1, got {args['clip_low']}")
+        if args["dual_clip"] is not None and args["dual_clip"] <= 1:
+            raise ValueError(f"RLVRModule: dual_clip must be > 1, got {args['dual_clip']}")
+        if args["loss_aggregation"] not in AGGREGATION_MODES:
+            raise ValueError(f"RLVRModule: loss_aggregation must be one of {AGGREGATION_MODES}")
+        if args["advantage"] not in ("grpo", "rloo"):
+            raise ValueError(f"RLVRModule: advantage must be 'grpo' or 'rloo', got {args['advantage']!r}")
+        if args["kl_estimator"] not in ("k1", "abs", "k2", "k3", "k3+"):
+            raise ValueError(f"RLVRModule: unknown kl_estimator {args['kl_estimator']!r}")
+        if args["model"] != BUILTIN_MODEL and args["tiny_model"] is not None:
+            raise ValueError("RLVRModule: tiny_model is only used with model='builtin:tiny'")
+
+    # -- models --------------------------------------------------------------------------------------------
+    def _load(self):
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        dtype = _DTYPES[self.hparams.dtype] if self.hparams.dtype else "auto"
+        return AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=dtype, trust_remote_code=self.hparams.trust_remote_code
+        )
+
+    def configure_model(self) -> None:
+        """Load the policy (and, only when ``kl_coef > 0``, the frozen reference). Idempotent."""
+        if self.policy is not None:
+            return
+        self.policy = self._load().train()  # from_pretrained returns eval mode
+        if self.policy.generation_config.pad_token_id is None:
+            self.policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
+        if self.hparams.kl_coef > 0:
+            self.ref_model = self._load().requires_grad_(False).eval()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The reference model is the frozen initial policy: rebuilt from `model` on load, never saved.
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")}
+        checkpoint["policy_version"] = self.policy_version
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.policy_version = int(checkpoint.get("policy_version", 0))
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(
+            params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay, betas=self.hparams.betas
+        )
+        warmup = self.hparams.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # -- per-token statistics ------------------------------------------------------------------------------
+    def token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool = False) -> TokenStats:
+        """Log-probs (and entropy) of ``batch``'s completion tokens under ``model`` at the sampling temperature."""
+        width = batch.completion_ids.shape[1]
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+            logits_to_keep=width + 1,  # the lm_head runs only on positions that predict completion tokens
+        )
+        logits = out.logits[:, -(width + 1) : -1]
+        return token_logprobs_and_entropy(
+            logits, batch.completion_ids, batch.temperature, self.hparams.logprob_chunk_size, entropy_grad=entropy_grad
+        )
+
+    @torch.no_grad()
+    def _no_grad_stats(self, model: torch.nn.Module, batch: RolloutBatch) -> TokenStats:
+        micro = self.hparams.micro_batch_size or len(batch)
+        parts = [self.token_stats(model, batch.select(idx)) for idx in torch.arange(len(batch)).split(micro)]
+        return TokenStats(torch.cat([p.logprobs for p in parts]), torch.cat([p.entropy for p in parts]))
+
+    def advantages(self, batch: RolloutBatch) -> Tensor:
+        """Per-completion advantages ``(N,)``."""
+        if self.hparams.advantage == "rloo":
+            return rloo_advantages(batch.rewards, batch.group_ids)
+        return grpo_advantages(batch.rewards, batch.group_ids, self.hparams.normalize_advantage_by_std)
+
+    # -- training ------------------------------------------------------------------------------------------
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        # Batches are lists of prompts (plain Python); the rollout builds its tensors on the module's device.
+        return batch
+
+    def _global_sum(self, value: Tensor) -> Tensor:
+        """Sum over ranks (identity on one device); every rank must call it."""
+        if self.trainer.world_size > 1:
+            return self.trainer.strategy.reduce(value, reduce_op="sum")
+        return value
+
+    def training_step(self, batch: list, batch_idx: int) -> dict[str, Tensor]:
+        hp = self.hparams
+        rollout = self.trainer.datamodule.rollout(batch).to(self.device)
+        if rollout.policy_version != self.policy_version:
+            raise RuntimeError(
+                f"off-policy rollout: generated by policy version {rollout.policy_version}, "
+                f"training version {self.policy_version}"
+            )
+        n = len(rollout)
+        mask = rollout.response_mask
+        token_adv = self.advantages(rollout).unsqueeze(-1).expand_as(mask)
+        minibatch = min(hp.minibatch_size or n, n)
+        n_updates = hp.ppo_epochs * math.ceil(n / minibatch)
+        on_policy_single_update = n_updates == 1
+        old = None if on_policy_single_update else self._no_grad_stats(self.policy, rollout)
+        ref_logprobs = self._no_grad_stats(self.ref_model, rollout).logprobs if hp.kl_coef > 0 else None
+
+        opt = self.optimizers()
+        scheduler = self.lr_schedulers()
+        sums: dict[str, float] = {k: 0.0 for k in ("pg", "kl", "total", "grad_norm", "high", "low", "dual", "ppo_kl")}
+        applied = skipped = 0
+        entropy = None if old is None else old.entropy
+        for _ in range(hp.ppo_epochs):
+            order = torch.randperm(n, device=self.device) if n_updates > 1 else torch.arange(n, device=self.device)
+            for mb_index in order.split(minibatch):
+                mb_mask = mask[mb_index]
+                normalizer = self._global_sum(aggregation_normalizer(mb_mask, hp.loss_aggregation, hp.loss_scale_factor))
+                n_tokens = self._global_sum(mb_mask.sum())
+                opt.zero_grad()
+                finite = True
+                for micro_index in mb_index.split(hp.micro_batch_size or len(mb_index)):
+                    micro = rollout.select(micro_index)
+                    stats = self.token_stats(self.policy, micro)
+                    old_logprobs = stats.logprobs.detach() if old is None else old.logprobs[micro_index]
+                    if on_policy_single_update:
+                        entropy = stats.entropy
+                    m = mask[micro_index]
+                    pl_out = ppo_clip_loss(stats.logprobs, old_logprobs, token_adv[micro_index], hp.clip_low,
+                                           hp.clip_high, hp.dual_clip)
+                    pg_loss = aggregate_loss(pl_out.loss, m, hp.loss_aggregation, normalizer)
+                    loss = pg_loss
+                    if ref_logprobs is not None:
+                        kl = kl_penalty(stats.logprobs, ref_logprobs[micro_index], hp.kl_estimator)
+                        kl_loss = aggregate_loss(kl, m, hp.loss_aggregation, normalizer)
+                        loss = loss + hp.kl_coef * kl_loss
+                        sums["kl"] += kl_loss.item()
+                    bad = self._global_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0, device=self.device))
+                    if bad.item() > 0:
+                        finite = False
+                        break
+                    self.manual_backward(loss)
+                    with torch.no_grad():
+                        sums["pg"] += pg_loss.item()
+                        sums["total"] += loss.item()
+                        denom = n_tokens.clamp_min(1)
+                        sums["high"] += ((pl_out.clipped_high * m).sum() / denom).item()
+                        sums["low"] += ((pl_out.clipped_low * m).sum() / denom).item()
+                        sums["dual"] += ((pl_out.dual_clipped * m).sum() / denom).item()
+                        sums["ppo_kl"] += (((old_logprobs - stats.logprobs.detach()) * m).sum() / denom).item()
+                grad_norm = self._grad_norm() if finite else torch.tensor(float("nan"))
+                if not finite or not torch.isfinite(grad_norm):
+                    rank_zero_warn(
+                        f"non-finite {'loss' if not finite else 'gradient norm'} at optimizer step "
+                        f"{self.trainer.global_step} (rollout step {batch_idx}); the update is skipped"
+                    )
+                    opt.zero_grad()
+                    skipped += 1
+                    continue
+                if hp.max_grad_norm is not None:
+                    self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
+                opt.step()
+                scheduler.step()
+                self.policy_version += 1
+                applied += 1
+                sums["grad_norm"] += grad_norm.item()
+
+        metrics = self._step_metrics(rollout, entropy, sums, applied, skipped, n_updates)
+        self.log_step_metrics(metrics)
+        self.log_dict({"reward": metrics["reward/mean"], "entropy": metrics["entropy/token_mean"]},
+                      on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=n)
+        return {"rewards": rollout.rewards.detach(), "entropy": entropy.detach(), "mask": mask.detach()}
+
+    def log_step_metrics(self, metrics: dict[str, float]) -> None:
+        """Send one rollout step's scalars straight to the loggers, averaged over ranks.
+
+        Lightning's ``self.log`` keeps a result collection per key that it moves and reduces every step;
+        with ~30 keys that cost ~20 ms per step on the tiny model, more than the update itself. Here the
+        values go in one all-reduce (every rank must call this) and one ``log_metrics`` call per logger,
+        at the logger step Lightning uses (rollout batches), every ``log_every_n_steps``.
+        """
+        step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
+        if step % max(self.trainer.log_every_n_steps, 1) or not self.trainer.loggers:
+            return
+        if self.trainer.world_size > 1:
+            keys = sorted(metrics)
+            values = self.trainer.strategy.reduce(
+                torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device), reduce_op="mean"
+            )
+            metrics = dict(zip(keys, values.tolist()))
+        for logger in self.trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def _grad_norm(self) -> Tensor:
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+    def _step_metrics(self, rollout: RolloutBatch, entropy: Tensor, sums: dict[str, float], applied: int,
+                      skipped: int, n_updates: int) -> dict[str, float]:
+        mask = rollout.response_mask
+        success = rollout.correct.unsqueeze(-1).to(mask.dtype) * mask
+        failure = mask - success
+        metrics = dict(rollout.stats)
+        parts = max(applied, 1)
+        metrics.update({
+            "entropy/token_mean": _masked_mean(entropy, mask).item(),
+            "entropy/successful": _masked_mean(entropy, success).item() if success.sum() > 0 else float("nan"),
+            "entropy/failed": _masked_mean(entropy, failure).item() if failure.sum() > 0 else float("nan"),
+            "loss/pg": sums["pg"] / parts,
+            "loss/total": sums["total"] / parts,
+            "policy/clipfrac_high": sums["high"] / parts,
+            "policy/clipfrac_low": sums["low"] / parts,
+            "policy/dual_clipfrac": sums["dual"] / parts,
+            "policy/ppo_kl": sums["ppo_kl"] / parts,
+            "policy/grad_norm": sums["grad_norm"] / parts,
+            "policy/lr": self.optimizers().param_groups[0]["lr"],
+            "policy/version": float(self.policy_version),
+            "policy/skipped_updates": float(skipped),
+            "policy/updates": float(n_updates),
+        })
+        if self.hparams.kl_coef > 0:
+            metrics["loss/kl"] = sums["kl"] / parts
+        return metrics
+
+    # -- validation ----------------------------------------------------------------------------------------
+    def validation_step(self, batch: list, batch_idx: int) -> None:
+        result = self.trainer.datamodule.evaluate(batch)
+        self.val_accuracy.update(result["greedy_correct"].to(self.device))
+        if "pass_at_k" in result:
+            self.val_pass_at_k.update(result["pass_at_k"].to(self.device))
+
+    def on_validation_epoch_end(self) -> None:
+        values = {"val/accuracy": self.val_accuracy.compute()}
+        if self.val_pass_at_k.update_called:
+            values["val/pass_at_k"] = self.val_pass_at_k.compute()
+        self.val_accuracy.reset()
+        self.val_pass_at_k.reset()
+        if self.trainer.sanity_checking:
+            # Lightning discards logs of the sanity check; the pre-training accuracy is the curve's first point.
+            step = self.trainer.fit_loop.epoch_loop._batches_that_stepped
+            for logger in self.trainer.loggers:
+                logger.log_metrics({k: float(v) for k, v in values.items()}, step=step)
+            return
+        self.log_dict(values, prog_bar=True)

@@ -1,0 +1,138 @@
+"""Chunked per-token log-probabilities and entropy of a softmax, without a full float32 ``log_softmax``.
+
+For logits ``z`` (already the model's output) and sampling temperature ``τ`` we work with the scaled
+logits ``u = z / τ`` and the distribution ``p = softmax(u)``:
+
+.. math::
+    \\log \\pi(a) = u_a - \\operatorname{logsumexp}(u), \\qquad
+    H = -\\sum_j p_j \\log p_j .
+
+The rows of the ``(N, V)`` logits are processed ``chunk_size`` rows at a time in float32, so peak extra
+memory is ``O(chunk_size · V)`` instead of ``O(N · V)``. When a gradient is needed, a custom autograd
+function recomputes the softmax chunk by chunk in the backward pass instead of keeping every chunk's
+float32 probabilities alive (the closed forms below), so memory stays lean with gradient too:
+
+.. math::
+    \\frac{\\partial \\log \\pi(a)}{\\partial u_j} = \\mathbb 1[j=a] - p_j, \\qquad
+    \\frac{\\partial H}{\\partial u_j} = -p_j (\\log p_j + H).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["TokenStats", "token_logprobs_and_entropy", "naive_logprobs_and_entropy"]
+
+
+@dataclass
+class TokenStats:
+    """Per-token quantities computed in one pass over the vocabulary.
+
+    Attributes:
+        logprobs: ``log π(a_t)`` of the given labels, float32, shape ``labels.shape``.
+        entropy: full-vocabulary entropy ``H_t`` (nats), float32, or ``None`` when not requested.
+    """
+
+    logprobs: Tensor
+    entropy: Tensor | None
+
+
+def _chunk_forward(u: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Log-prob of ``labels``, entropy and logsumexp for one float32 chunk of scaled logits."""
+    lse = torch.logsumexp(u, dim=-1)
+    log_p = _log_probs(u, lse)
+    logp_label = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = -(torch.exp(log_p) * log_p).sum(-1)
+    return logp_label, entropy, lse
+
+
+def _log_probs(u: Tensor, lse: Tensor) -> Tensor:
+    # Clamped so that masked (-inf) logits give p·log p = 0 instead of 0·(-inf) = NaN.
+    return (u - lse.unsqueeze(-1)).clamp_min(torch.finfo(torch.float32).min)
+
+
+class _ChunkedLogprobEntropy(torch.autograd.Function):
+    """Autograd function over flattened ``(N, V)`` logits; recomputes the softmax per chunk in backward."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, temperature: float, chunk_size: int):  # type: ignore[override]
+        n = logits.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for start in range(0, n, chunk_size):
+            sl = slice(start, start + chunk_size)
+            u = logits[sl].float() / temperature
+            logp[sl], entropy[sl], lse[sl] = _chunk_forward(u, labels[sl])
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):  # type: ignore[override]
+        logits, labels, lse, entropy = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        grad_logits = torch.empty_like(logits)
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(lse)
+        if grad_entropy is None:
+            grad_entropy = torch.zeros_like(lse)
+        for start in range(0, logits.shape[0], chunk_size):
+            sl = slice(start, start + chunk_size)
+            u = logits[sl].float() / temperature
+            log_p = _log_probs(u, lse[sl])
+            p = torch.exp(log_p)
+            # d logp_a/du = onehot(a) - p ;  dH/du = -p (log p + H)
+            g = -p * (grad_logp[sl].unsqueeze(-1) + grad_entropy[sl].unsqueeze(-1) * (log_p + entropy[sl].unsqueeze(-1)))
+            g.scatter_add_(-1, labels[sl].unsqueeze(-1), grad_logp[sl].unsqueeze(-1))
+            grad_logits[sl] = (g / temperature).to(logits.dtype)
+        return grad_logits, None, None, None
+
+
+def token_logprobs_and_entropy(
+    logits: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+    entropy_grad: bool = False,
+) -> TokenStats:
+    """Log-probabilities of ``labels`` and full-vocabulary entropy under ``softmax(logits / temperature)``.
+
+    Args:
+        logits: ``(..., V)`` raw logits in any float dtype (bf16 is fine; math is done in float32).
+        labels: ``(...)`` token ids whose log-probability is returned.
+        temperature: sampling temperature the tokens were drawn with (logits are divided by it).
+        chunk_size: rows (tokens) processed at once; bounds the float32 working set to ``chunk_size × V``.
+        with_entropy: compute the entropy at all.
+        entropy_grad: let gradient flow through the entropy (needed only by entropy-bonus terms);
+            otherwise the entropy is detached, which is what diagnostics want.
+
+    Returns:
+        :class:`TokenStats` with float32 ``logprobs`` (differentiable if ``logits`` is) and ``entropy``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
+    shape = labels.shape
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    logp, entropy = _ChunkedLogprobEntropy.apply(flat_logits, flat_labels, float(temperature), int(chunk_size))
+    if not (with_entropy and entropy_grad):
+        entropy = entropy.detach()
+    return TokenStats(logprobs=logp.reshape(shape), entropy=entropy.reshape(shape) if with_entropy else None)
+
+
+def naive_logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> TokenStats:
+    """Reference implementation with a full float32 ``log_softmax`` (for tests and benchmarks only)."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return TokenStats(logprobs=logp, entropy=entropy)

@@ -1,0 +1,87 @@
+"""The rollout-engine interface: generate ``n`` completions per prompt with the current policy.
+
+An engine is told the policy's weights through :meth:`RolloutEngine.sync`, which the DataModule calls
+only when the policy changed since the last sync (the policy's version counter moved). A colocated
+Hugging Face engine generates with the live module, so its sync is free; an engine holding its own copy of
+the weights (vLLM) pushes them in ``sync``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["GenerationOutput", "RolloutEngine", "SamplingConfig"]
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling parameters of one generation call.
+
+    Attributes:
+        max_new_tokens: generation limit per completion.
+        temperature: softmax temperature (the trainer divides logits by the same value).
+        top_p: nucleus sampling (1.0 = off).
+        top_k: top-k sampling (0 = off).
+        greedy: argmax decoding (validation accuracy); ignores the sampling knobs.
+    """
+
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class GenerationOutput:
+    """What an engine returns for ``P`` prompts × ``n`` samples (``N = P·n`` rows, grouped by prompt).
+
+    Attributes:
+        prompt_ids: ``(N, P_len)`` left-padded prompt tokens.
+        prompt_mask: ``(N, P_len)`` 1 on real prompt tokens.
+        completion_ids: ``(N, T)`` generated tokens, right-padded (anything after EOS is padding).
+        logprobs: ``(N, T)`` the engine's own log-probs of the sampled tokens, if it provides them.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    logprobs: Tensor | None = None
+
+
+class RolloutEngine(ABC):
+    """Generates completions for token-id prompts."""
+
+    @abstractmethod
+    def sync(self, policy: nn.Module, version: int) -> None:
+        """Make the engine generate with ``policy``'s current weights (``version`` identifies them)."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> GenerationOutput:
+        """``n`` completions for each prompt (token ids, BOS included), rows grouped by prompt."""
+
+    @staticmethod
+    def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+        """Stack token-id lists into left-padded ids and mask."""
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            if p:
+                ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+                mask[i, width - len(p) :] = 1
+        return ids.to(device), mask.to(device)
