@@ -64,7 +64,7 @@ class RLVRModule(pl.LightningModule):
     """Policy-gradient learner for reinforcement learning with verifiable rewards.
 
     Args:
-        model: ``"builtin:tiny"`` (the offline tiny Qwen2 + character tokenizer), a local directory or a hub id
+        model: ``"builtin:tiny"`` (the offline tiny Llama + character tokenizer), a local directory or a hub id
             loaded with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
         tiny_model: shape of the built-in model (used only with ``"builtin:tiny"``).
         dtype: parameter dtype of the policy (``None`` keeps the checkpoint's; ``"bfloat16"`` on GPUs).

@@ -105,6 +105,8 @@ def load_problems(path: str | Path, prompt_field: str = "prompt", answer_field: 
         for field in (prompt_field, answer_field):
             if field not in row:
                 raise ValueError(f"{path}:{where} {index}: missing field {field!r} (has {sorted(row)})")
+            if row[field] is None:
+                raise ValueError(f"{path}:{where} {index}: field {field!r} is null")
         problems.append(Problem(str(row[prompt_field]), str(row[answer_field])))
     if not problems:
         raise ValueError(f"{path}: no problems found")

@@ -2,7 +2,7 @@
 
 The embedded default of lightning_rlvr needs no download: :func:`build_tiny_model` writes a
 ``tokenizers`` character-level tokenizer (wrapped as a transformers fast tokenizer) and a randomly
-initialised Qwen2 (≈75k parameters at the defaults) with ``save_pretrained``, and the trainer then loads
+initialised Llama (≈77k parameters at the defaults) with ``save_pretrained``, and the trainer then loads
 that directory with ``AutoTokenizer/AutoModelForCausalLM.from_pretrained(path)`` exactly as it would
 a real checkpoint.
 
@@ -31,7 +31,7 @@ DEFAULT_CHARACTERS = "0123456789+-*/=()<>., abcdefghijklmnopqrstuvwxyz?:"
 
 @dataclass
 class TinyModelConfig:
-    """Shape of the built-in tiny Qwen2 policy (defaults: MEASUREMENTS.md §9, trains in minutes on 2 cores).
+    """Shape of the built-in tiny Llama policy (defaults: MEASUREMENTS.md §9, trains in minutes on 2 cores).
 
     Attributes:
         hidden_size: model width.
@@ -87,18 +87,22 @@ def build_tiny_tokenizer(characters: str = DEFAULT_CHARACTERS):
 
 def build_tiny_model(directory: str | Path, config: TinyModelConfig | None = None,
                      characters: str = DEFAULT_CHARACTERS) -> str:
-    """Build the tiny tokenizer + random-init Qwen2 and ``save_pretrained`` both into ``directory``.
+    """Build the tiny tokenizer + random-init Llama and ``save_pretrained`` both into ``directory``.
+
+    Llama rather than Qwen2: transformers 5 maps the ``qwen2`` model type to its byte-level ``Qwen2Tokenizer``
+    on reload, which would silently replace this character tokenizer (dropping spaces); for ``llama`` the saved
+    ``tokenizer.json`` is used as written.
 
     Returns:
         The directory path, ready for ``from_pretrained``.
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = config or TinyModelConfig()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(characters)
-    model_config = Qwen2Config(
+    model_config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -114,7 +118,7 @@ def build_tiny_model(directory: str | Path, config: TinyModelConfig | None = Non
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(config.seed)
     try:
-        model = Qwen2ForCausalLM(model_config)
+        model = LlamaForCausalLM(model_config)
     finally:
         torch.random.set_rng_state(generator_state)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -8,8 +8,9 @@ counted (logged as ``reward/verifier_errors``).
 How a verifier runs is its ``isolation``:
 
 - ``"inline"``: called directly in the trainer process; for pure, total functions (exact match).
-- ``"thread"``: in a thread pool, each call waited for at most ``timeout_s``. A thread cannot be killed:
-  a hung call is abandoned (its thread leaks until it returns) and a fresh pool takes over.
+- ``"thread"``: in a thread pool, each call given at most ``timeout_s`` from the moment it starts. A thread
+  cannot be killed: a hung call is abandoned (its thread leaks until it returns) and the calls queued behind
+  it move to a fresh pool.
 - ``"process"``: in a pool of spawned worker processes. Each call runs in the worker's main thread
   under a ``SIGALRM`` timer (so libraries that rely on ``signal.alarm``, such as math-verify, work
   there), and if a worker stops responding the whole pool is killed and rebuilt.
@@ -26,8 +27,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Literal
-
-from lightning.pytorch.utilities import rank_zero_warn
 
 __all__ = ["CallableVerifier", "Isolation", "Verifier", "VerifierRunner"]
 
@@ -76,6 +75,10 @@ class _CallTimeout(Exception):
     pass
 
 
+def _ping(index: int) -> int:
+    return index
+
+
 def _raise_timeout(signum, frame):  # pragma: no cover - runs in a worker process
     raise _CallTimeout()
 
@@ -107,6 +110,7 @@ class VerifierRunner:
         self.verifier = verifier
         self.timeout_s = float(timeout_s)
         self.num_workers = int(num_workers)
+        self.startup_timeout_s = 120.0
         self._pool: cf.Executor | None = None
         self._warned = False
 
@@ -115,7 +119,14 @@ class VerifierRunner:
         if self._pool is None:
             if self.verifier.isolation == "process":
                 context = multiprocessing.get_context("spawn")
-                self._pool = cf.ProcessPoolExecutor(self.num_workers, mp_context=context)
+                pool = cf.ProcessPoolExecutor(self.num_workers, mp_context=context)
+                # Start every worker (imports included) before any call's time limit starts counting.
+                warmups = [pool.submit(_ping, i) for i in range(self.num_workers)]
+                done, pending = cf.wait(warmups, timeout=self.startup_timeout_s)
+                if pending:
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise RuntimeError(f"verifier worker processes did not start within {self.startup_timeout_s}s")
+                self._pool = pool
             else:
                 self._pool = cf.ThreadPoolExecutor(self.num_workers, thread_name_prefix="verifier")
         return self._pool
@@ -141,6 +152,9 @@ class VerifierRunner:
 
     # -- scoring -------------------------------------------------------------------------------------------
     def _warn(self, message: str) -> None:
+        # Imported here: spawned verifier workers import this module and should not pay for Lightning.
+        from lightning.pytorch.utilities import rank_zero_warn
+
         if not self._warned:
             rank_zero_warn(f"{type(self.verifier).__name__}: {message} (reward 0; counted in reward/verifier_errors)")
             self._warned = True
@@ -172,34 +186,66 @@ class VerifierRunner:
         return rewards, errors
 
     def _score_pooled(self, completions, answers) -> tuple[list[float], int]:
-        pool = self._get_pool()
         in_process = self.verifier.isolation == "process"
-        if in_process:
-            futures = [pool.submit(_score_in_worker, self.verifier, c, a, self.timeout_s)
-                       for c, a in zip(completions, answers)]
-        else:
-            futures = [pool.submit(self.verifier.score, c, a) for c, a in zip(completions, answers)]
-        # Calls run num_workers at a time, so the batch needs at most this long if every call keeps its limit.
-        rounds = math.ceil(len(futures) / self.num_workers)
-        deadline = time.monotonic() + self.timeout_s * rounds + (5.0 if in_process else 0.5)
-        rewards, errors, hung = [], 0, False
-        for i, future in enumerate(futures):
-            try:
-                value, failed = self._check(float(future.result(timeout=max(0.0, deadline - time.monotonic()))), i)
-            except cf.TimeoutError:
-                self._warn(f"exceeded its time limit of {self.timeout_s}s")
-                value, failed, hung = 0.0, True, True
-            except _CallTimeout:
-                self._warn(f"exceeded its time limit of {self.timeout_s}s")
-                value, failed = 0.0, True
-            except cf.process.BrokenProcessPool as err:
-                self._warn(f"worker process died ({err})")
-                value, failed, hung = 0.0, True, True
-            except Exception as err:  # noqa: BLE001
-                self._warn(f"raised {type(err).__name__}: {err}")
-                value, failed = 0.0, True
-            rewards.append(value)
-            errors += failed
-        if hung:
+        rewards = [0.0] * len(completions)
+        errors = 0
+        futures: dict[cf.Future, int] = {}
+        started: dict[int, float] = {}  # thread isolation: when each call began (its own time limit)
+
+        def timed_call(index: int) -> float:
+            started[index] = time.monotonic()
+            return self.verifier.score(completions[index], answers[index])
+
+        def submit(indices) -> set[cf.Future]:
+            pool = self._get_pool()
+            if in_process:
+                new = {pool.submit(_score_in_worker, self.verifier, completions[i], answers[i], self.timeout_s): i
+                       for i in indices}
+            else:
+                new = {pool.submit(timed_call, i): i for i in indices}
+            futures.update(new)
+            return set(new)
+
+        def process_deadline(count: int) -> float:
+            # Workers run num_workers calls at a time, each bounded by its in-worker timer; this is the backstop
+            # for a worker stuck in C code where the timer cannot interrupt it.
+            return time.monotonic() + self.timeout_s * math.ceil(count / self.num_workers) + 5.0
+
+        not_done = submit(range(len(completions)))
+        deadline = process_deadline(len(not_done))
+        while not_done:
+            done, not_done = cf.wait(not_done, timeout=0.05, return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                index = futures[future]
+                try:
+                    rewards[index], failed = self._check(float(future.result()), index)
+                except _CallTimeout:
+                    self._warn(f"exceeded its time limit of {self.timeout_s}s")
+                    rewards[index], failed = 0.0, True
+                except cf.process.BrokenProcessPool as err:
+                    self._warn(f"worker process died ({err})")
+                    rewards[index], failed = 0.0, True
+                except Exception as err:  # noqa: BLE001 - any verifier failure is a zero reward
+                    self._warn(f"raised {type(err).__name__}: {err}")
+                    rewards[index], failed = 0.0, True
+                errors += failed
+            now = time.monotonic()
+            if in_process:
+                overdue = set(not_done) if now > deadline else set()
+            else:
+                overdue = {f for f in not_done if futures[f] in started and now - started[futures[f]] > self.timeout_s}
+            if not overdue:
+                continue
+            self._warn(f"exceeded its time limit of {self.timeout_s}s")
+            for future in overdue:
+                rewards[futures[future]] = 0.0
+                errors += 1
+            not_done -= overdue
+            # Calls queued behind a hung one get a fresh pool; calls already running (threads) keep running.
+            requeue = [futures[f] for f in list(not_done) if f.cancel()]
+            not_done = {f for f in not_done if not f.cancelled()}
             self._discard_pool()
+            if requeue:
+                not_done |= submit(requeue)
+                deadline = process_deadline(len(requeue))
         return rewards, errors

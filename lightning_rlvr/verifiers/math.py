@@ -24,7 +24,7 @@ from lightning_rlvr.verifiers.base import Verifier
 __all__ = ["MathVerifier", "extract_answer"]
 
 Extraction = Literal["boxed", "hash", "last_number", "auto"]
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 
 def _last_boxed(text: str) -> str | None:
@@ -61,10 +61,9 @@ def extract_answer(text: str, mode: Extraction = "auto") -> str | None:
             return boxed
     if mode in ("hash", "auto"):
         idx = text.rfind("####")
-        if idx >= 0:
-            return text[idx + 4 :].strip() or None
-        if mode == "hash":
-            return None
+        after = text[idx + 4 :].strip() if idx >= 0 else ""
+        if after or mode == "hash":
+            return after or None
     if mode in ("last_number", "auto"):
         numbers = _NUMBER.findall(text)
         return numbers[-1] if numbers else None

@@ -1,0 +1,87 @@
+"""Shared fixtures: the tiny offline model saved once per session, a scripted engine, an in-memory logger."""
+
+from __future__ import annotations
+
+import collections
+import os
+import types
+
+import pytest
+import torch
+from lightning.pytorch.loggers.logger import Logger
+
+from lightning_rlvr.models import TinyModelConfig, build_tiny_model
+from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A saved tiny Llama + char tokenizer directory (loaded with from_pretrained like a real checkpoint)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), TinyModelConfig(seed=0))
+
+
+class MemoryLogger(Logger):
+    """Records every logged metric: ``history[key][step] = value``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: dict[str, dict[int, float]] = collections.defaultdict(dict)
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def experiment(self):
+        return None
+
+    def log_metrics(self, metrics, step=None) -> None:
+        for key, value in metrics.items():
+            self.history[key][step] = float(value)
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+
+@pytest.fixture
+def memory_logger() -> MemoryLogger:
+    return MemoryLogger()
+
+
+class ScriptedEngine(RolloutEngine):
+    """Returns pre-scripted completion token ids (one list per generated row), cycling through a script."""
+
+    def __init__(self, completions: list[list[int]], pad_id: int = 0) -> None:
+        self.completions = completions
+        self.pad_id = pad_id
+        self.calls: list[tuple[int, int]] = []
+        self.synced: list[int] = []
+        self._cursor = 0
+
+    def sync(self, policy, version: int) -> None:
+        self.synced.append(version)
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> GenerationOutput:
+        self.calls.append((len(prompts), n))
+        rows = []
+        for _ in range(len(prompts) * n):
+            rows.append(self.completions[self._cursor % len(self.completions)])
+            self._cursor += 1
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+        prompt_ids, prompt_mask = self.left_pad(prompts, self.pad_id)
+        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0), ids)
+
+
+def fake_trainer(policy_version: int = 0):
+    """The two attributes of a Trainer that RolloutDataModule.rollout uses."""
+    return types.SimpleNamespace(lightning_module=types.SimpleNamespace(policy=None, policy_version=policy_version))

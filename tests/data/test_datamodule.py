@@ -1,0 +1,171 @@
+"""RolloutDataModule: EOS cutting, reward hacking guards, dynamic sampling, overlong shaping, engine sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lightning_rlvr.data import RolloutDataModule
+from lightning_rlvr.data.sources import PromptSource
+from lightning_rlvr.tasks import Problem
+from lightning_rlvr.verifiers import CallableVerifier
+from tests.conftest import ScriptedEngine, fake_trainer
+
+EOS, PAD, UNK, BOS = 2, 0, 3, 1
+
+
+def digits(text: str) -> list[int]:
+    return [4 + int(c) for c in text]  # '0' is token 4 in the tiny char tokenizer
+
+
+class ListSource(PromptSource):
+    def __init__(self, problems):
+        self.problems = problems
+
+    def train_problems(self):
+        return self.problems
+
+    def held_out_problems(self):
+        return self.problems
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def make_dm(tokenizer, completions, problems=None, **kwargs):
+    problems = problems or [Problem("5+7=", "12"), Problem("1+1=", "2")]
+    dm = RolloutDataModule(source=ListSource(problems), engine=ScriptedEngine(completions), **kwargs)
+    dm.connect(tokenizer)
+    dm.trainer = fake_trainer()
+    return dm
+
+
+def test_tokenizer_ids_assumed_by_these_tests(tokenizer):
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (
+        PAD, BOS, EOS, UNK)
+    assert tokenizer("12", add_special_tokens=False).input_ids == digits("12")
+
+
+def test_completions_are_cut_at_first_eos_and_guarded_against_reward_hacking(tokenizer):
+    script = [
+        digits("12") + [EOS, 7],           # correct; the token after EOS is dropped
+        digits("12") + digits("34"),       # no EOS: truncated -> 0 even though it starts with "12"
+        [PAD] + digits("12") + [EOS],      # special token inside the answer -> 0 ("<pad>12" read as "12")
+        [digits("1")[0], UNK, digits("2")[0], EOS],  # "1<unk>2" -> 0
+    ]
+    problems = [Problem("5+7=", "12")]
+    dm = make_dm(tokenizer, script, problems, prompts_per_step=1, group_size=4, max_new_tokens=4)
+    batch = dm.rollout(problems)
+    assert batch.scores.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert batch.truncated.tolist() == [False, True, False, False]
+    assert batch.response_mask.sum(-1).tolist() == [3.0, 4.0, 4.0, 4.0]
+    assert batch.completions[0] == "12"
+    assert batch.completion_ids[0, :3].tolist() == digits("12") + [EOS]
+    assert batch.stats["rollout/truncated"] == pytest.approx(0.25)
+    assert batch.stats["rollout/invalid"] == pytest.approx(0.5)
+    assert batch.stats["reward/accuracy"] == pytest.approx(0.25)
+    # attention covers the real prompt tokens and the completion through EOS
+    prompt = tokenizer("5+7=").input_ids
+    assert batch.attention_mask[0].sum().item() == len(prompt) + 3
+    assert batch.input_ids[0, batch.prompt_length - len(prompt) : batch.prompt_length].tolist() == prompt
+
+
+def test_group_ids_and_zero_std_fraction(tokenizer):
+    ok, bad = digits("12") + [EOS], digits("99") + [EOS]
+    # group 0 ("5+7=" -> 12): [ok, bad] informative; group 1 ("1+1=" -> 2): [ok-for-12, bad] both wrong
+    dm = make_dm(tokenizer, [ok, bad, ok, bad], prompts_per_step=2, group_size=2)
+    batch = dm.rollout(dm.source.train_problems())
+    assert batch.group_ids.tolist() == [0, 0, 1, 1]
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert batch.stats["rollout/zero_std_groups"] == pytest.approx(0.5)
+
+
+def test_dynamic_sampling_refills_until_enough_informative_groups(tokenizer):
+    ok, bad = digits("12") + [EOS], digits("99") + [EOS]
+    problems = [Problem("5+7=", "12"), Problem("1+1=", "2")]
+    # round 1: group 0 informative, group 1 all wrong; round 2 (1 refill prompt, always "5+7=" here): informative
+    dm = make_dm(tokenizer, [ok, bad, bad, bad, bad, ok], [Problem("5+7=", "12")] * 1, prompts_per_step=2,
+                 group_size=2, dynamic_sampling=True, max_generation_rounds=3)
+    batch = dm.rollout(problems)
+    assert dm.engine.calls == [(2, 2), (1, 2)]
+    assert batch.stats["rollout/generation_rounds"] == 2
+    assert batch.stats["rollout/kept_groups"] == 2
+    assert len(batch) == 4
+    for g in batch.group_ids.unique():
+        assert batch.rewards[batch.group_ids == g].std() > 0
+
+
+def test_dynamic_sampling_stops_at_the_round_limit_with_a_warning(tokenizer):
+    bad = digits("99") + [EOS]
+    dm = make_dm(tokenizer, [bad], prompts_per_step=2, group_size=2, dynamic_sampling=True, max_generation_rounds=2)
+    with pytest.warns(UserWarning, match="kept no informative group"):
+        batch = dm.rollout(dm.source.train_problems())
+    assert len(dm.engine.calls) == 2
+    assert len(batch) == 4  # falls back to the last round (zero advantages)
+
+
+def test_overlong_penalty_is_added_to_the_reward(tokenizer):
+    # max_new_tokens 4, buffer 2: no penalty up to length 2, -(L-2)/2 beyond
+    script = [digits("1") + [EOS], digits("12") + [EOS], digits("123") + [EOS]]
+    problems = [Problem("0+12=", "12")]
+    dm = make_dm(tokenizer, script, problems, prompts_per_step=1, group_size=3, max_new_tokens=4,
+                 overlong_buffer=2, overlong_penalty_factor=1.0)
+    batch = dm.rollout(problems)
+    assert batch.scores.tolist() == [0.0, 1.0, 0.0]
+    assert batch.rewards.tolist() == pytest.approx([0.0, 1.0 - 0.5, -1.0])
+
+
+def test_engine_is_synced_only_when_the_policy_version_changes(tokenizer):
+    dm = make_dm(tokenizer, [digits("12") + [EOS]], prompts_per_step=2, group_size=1)
+    dm.rollout(dm.source.train_problems())
+    dm.rollout(dm.source.train_problems())
+    assert dm.engine.synced == [0]
+    dm.trainer.lightning_module.policy_version = 3
+    batch = dm.rollout(dm.source.train_problems())
+    assert dm.engine.synced == [0, 3]
+    assert batch.policy_version == 3
+
+
+def test_verifier_errors_give_zero_reward_and_are_counted(tokenizer):
+    def flaky(completion: str, answer: str) -> float:
+        if completion == "99":
+            raise RuntimeError("verifier bug")
+        return float(completion == answer)
+
+    ok, bad = digits("12") + [EOS], digits("99") + [EOS]
+    problems = [Problem("5+7=", "12")]
+    dm = make_dm(tokenizer, [ok, bad, bad, ok], problems, prompts_per_step=1, group_size=4,
+                 verifier=CallableVerifier(flaky, isolation="inline"))
+    with pytest.warns(UserWarning, match="verifier bug"):
+        batch = dm.rollout(problems)
+    assert batch.scores.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert batch.stats["reward/verifier_errors"] == 2
+
+
+def test_evaluate_reports_greedy_correctness_and_pass_at_k(tokenizer):
+    ok, bad = digits("12") + [EOS], digits("99") + [EOS]
+    problems = [Problem("5+7=", "12")]
+    # greedy call: 1 row (ok); sampled call: 4 rows with 1 correct -> pass@2 = 1 - C(3,2)/C(4,2) = 0.5
+    dm = make_dm(tokenizer, [ok, ok, bad, bad, bad], problems, val_samples=4, val_k=2)
+    result = dm.evaluate(problems)
+    assert result["greedy_correct"].tolist() == [1.0]
+    assert result["pass_at_k"].tolist() == pytest.approx([0.5])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"group_size": 0}, "group_size"),
+        ({"prompts_per_step": 0}, "prompts_per_step"),
+        ({"overlong_buffer": 9, "max_new_tokens": 4}, "overlong_buffer"),
+        ({"val_samples": 2, "val_k": 3}, "val_k"),
+        ({"prompt_template": "no placeholder"}, "prompt_template"),
+        ({"temperature": 0.0}, "temperature"),
+    ],
+)
+def test_invalid_arguments_are_rejected_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutDataModule(**kwargs)

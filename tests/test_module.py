@@ -1,0 +1,226 @@
+"""RLVRModule end to end on the tiny offline model: log-prob alignment, learning, accumulation, KL/ref, resume."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+from lightning_rlvr.callbacks import SupervisedWarmStart
+from lightning_rlvr.data.batch import RolloutBatch
+from lightning_rlvr.rollout.base import RolloutEngine
+
+
+def trainer(max_steps: int, **kwargs) -> pl.Trainer:
+    defaults = dict(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                    num_sanity_val_steps=0, log_every_n_steps=1)
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+def reverse_data(**kwargs) -> RolloutDataModule:
+    defaults = dict(source=BuiltinTask("reverse", num_digits=3), prompts_per_step=8, group_size=4, max_new_tokens=4,
+                    val_samples=0)
+    defaults.update(kwargs)
+    return RolloutDataModule(**defaults)
+
+
+class FixedRollout(RolloutDataModule):
+    """Serves one frozen rollout batch every step (re-stamped with the current policy version)."""
+
+    def __init__(self, batch: RolloutBatch, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fixed = batch
+
+    def rollout(self, problems):
+        batch = copy.copy(self.fixed)
+        batch.policy_version = self.trainer.lightning_module.policy_version
+        return batch
+
+
+def frozen_rollout(model_dir: str, temperature: float = 1.0) -> RolloutBatch:
+    module = RLVRModule(model=model_dir)
+    module.configure_model()
+    dm = reverse_data(temperature=temperature)
+    dm.connect(module.tokenizer)
+    dm.trainer = type("T", (), {"lightning_module": module})()
+    torch.manual_seed(0)
+    return dm.rollout(dm.source.train_problems()[:8])
+
+
+def test_logprobs_match_the_generation_logits_with_left_padding(tiny_model_dir):
+    module = RLVRModule(model=tiny_model_dir)
+    module.configure_model()
+    tok = module.tokenizer
+    prompts = [tok("rev 12=").input_ids, tok("5+7=").input_ids, tok("49+49=").input_ids]  # different lengths
+    ids, mask = RolloutEngine.left_pad(prompts, tok.pad_token_id)
+    torch.manual_seed(0)
+    temperature = 0.7
+    out = module.policy.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=True, top_k=0,
+                                 temperature=temperature, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=10_000)  # no early stop
+    completion = out.sequences[:, ids.shape[1]:]
+    expected = torch.stack([torch.log_softmax(l.float() / temperature, -1) for l in out.logits], 1)
+    expected = expected.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    batch = RolloutBatch(
+        input_ids=out.sequences, attention_mask=torch.cat([mask, torch.ones_like(completion)], 1),
+        response_mask=torch.ones_like(completion, dtype=torch.float32), prompt_length=ids.shape[1],
+        rewards=torch.zeros(3), scores=torch.zeros(3), correct=torch.zeros(3, dtype=torch.bool),
+        truncated=torch.zeros(3, dtype=torch.bool), group_ids=torch.arange(3), policy_version=0,
+        temperature=temperature,
+    )
+    stats = module.token_stats(module.policy, batch)
+    torch.testing.assert_close(stats.logprobs, expected, atol=1e-5, rtol=1e-5)
+    probs = torch.softmax(torch.stack(out.logits, 1).float() / temperature, -1)
+    torch.testing.assert_close(stats.entropy, torch.distributions.Categorical(probs=probs).entropy(), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_grpo_learns_the_reverse_task(tiny_model_dir, memory_logger):
+    pl.seed_everything(0)
+    module = RLVRModule(model=tiny_model_dir, learning_rate=3e-4)
+    data = reverse_data()
+    fit = trainer(150, logger=memory_logger, callbacks=[SupervisedWarmStart(steps=50)])
+    fit.fit(module, data)
+    rewards = memory_logger.history["reward/mean"]
+    steps = sorted(rewards)
+    assert len(steps) == 150
+    first = sum(rewards[s] for s in steps[:30]) / 30
+    last = sum(rewards[s] for s in steps[-30:]) / 30
+    assert last > first + 0.2, (first, last)
+    assert module.policy_version == 150 + 1  # 150 updates + the warm start
+    for key in ("reward/accuracy", "rollout/zero_std_groups", "rollout/response_length", "rollout/truncated",
+                "entropy/token_mean", "entropy/failed", "entropy/successful", "policy/clipfrac_high",
+                "policy/clipfrac_low", "policy/ppo_kl", "policy/grad_norm", "loss/pg", "reward/verifier_errors"):
+        assert key in memory_logger.history, key
+
+
+def test_micro_batches_give_the_same_update_as_the_whole_minibatch(tiny_model_dir):
+    batch = frozen_rollout(tiny_model_dir)
+    assert batch.rewards.std() > 0
+    params = []
+    for micro in (None, 5):
+        torch.manual_seed(0)
+        module = RLVRModule(model=tiny_model_dir, micro_batch_size=micro, loss_aggregation="token-mean")
+        trainer(1).fit(module, FixedRollout(batch, source=BuiltinTask("reverse", num_digits=3), val_samples=0))
+        params.append(torch.cat([p.detach().flatten() for p in module.policy.parameters()]))
+    initial = RLVRModule(model=tiny_model_dir)
+    initial.configure_model()
+    start = torch.cat([p.detach().flatten() for p in initial.policy.parameters()])
+    assert (params[0] - start).abs().max() > 1e-5  # an update happened
+    torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=1e-5)
+
+
+def test_several_ppo_epochs_and_minibatches_step_the_optimizer_each_time(tiny_model_dir, memory_logger):
+    batch = frozen_rollout(tiny_model_dir)
+    module = RLVRModule(model=tiny_model_dir, ppo_epochs=2, minibatch_size=8, learning_rate=1e-3)
+    fit = trainer(8, logger=memory_logger)
+    fit.fit(module, FixedRollout(batch, source=BuiltinTask("reverse", num_digits=3), val_samples=0))
+    assert module.policy_version == 8  # 2 epochs × 32/8 minibatches, one rollout step
+    assert fit.global_step == 8
+    assert memory_logger.history["policy/updates"][0] == 8
+    assert memory_logger.history["policy/ppo_kl"][0] != 0.0  # later minibatches see a moved policy
+
+
+def test_reference_model_only_with_kl_and_never_in_checkpoints(tiny_model_dir, tmp_path, memory_logger):
+    plain = RLVRModule(model=tiny_model_dir)
+    plain.configure_model()
+    assert plain.ref_model is None
+
+    module = RLVRModule(model=tiny_model_dir, kl_coef=0.1, kl_estimator="k3")
+    fit = trainer(3, logger=memory_logger, default_root_dir=tmp_path)
+    fit.fit(module, reverse_data())
+    assert all(not p.requires_grad for p in module.ref_model.parameters())
+    optimized = {id(p) for group in fit.optimizers[0].param_groups for p in group["params"]}
+    assert optimized.isdisjoint(id(p) for p in module.ref_model.parameters())
+    assert "loss/kl" in memory_logger.history
+    assert memory_logger.history["loss/kl"][0] == pytest.approx(0.0, abs=1e-7)  # policy == ref at step 0
+    assert memory_logger.history["loss/kl"][2] > 0
+    path = tmp_path / "kl.ckpt"
+    fit.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    assert not any(k.startswith("ref_model.") for k in checkpoint["state_dict"])
+    assert any(k.startswith("policy.") for k in checkpoint["state_dict"])
+
+
+def test_fit_resumes_from_a_checkpoint(tiny_model_dir, tmp_path):
+    warm = SupervisedWarmStart(steps=5)
+    module = RLVRModule(model=tiny_model_dir)
+    fit = trainer(3, default_root_dir=tmp_path, callbacks=[warm])
+    fit.fit(module, reverse_data())
+    path = tmp_path / "resume.ckpt"
+    fit.save_checkpoint(path)
+    weights = {k: v.clone() for k, v in module.policy.state_dict().items()}
+
+    warm2 = SupervisedWarmStart(steps=5)
+    resumed = RLVRModule(model=tiny_model_dir)
+    calls = []
+    original_fit = warm2.fit
+    warm2.fit = lambda *a, **k: calls.append(1) or original_fit(*a, **k)
+    fit2 = trainer(5, default_root_dir=tmp_path, callbacks=[warm2])
+
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["version"] = pl_module.policy_version
+            seen["weights"] = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
+
+    fit2.callbacks.append(Probe())
+    fit2.fit(resumed, reverse_data(), ckpt_path=path)
+    assert calls == []  # the warm start is not repeated after a resume
+    assert seen["version"] == 3 + 1
+    for k, v in weights.items():
+        torch.testing.assert_close(seen["weights"][k], v)
+    assert fit2.global_step == 5
+    assert resumed.policy_version == 5 + 1
+
+
+def test_non_finite_loss_skips_the_update_with_a_warning(tiny_model_dir, memory_logger):
+    batch = frozen_rollout(tiny_model_dir)
+    batch.rewards = torch.full_like(batch.rewards, float("nan"))
+    module = RLVRModule(model=tiny_model_dir)
+    module.configure_model()
+    before = [p.detach().clone() for p in module.policy.parameters()]
+    with pytest.warns(UserWarning, match="non-finite loss"):
+        trainer(1, logger=memory_logger, max_epochs=1, limit_train_batches=1).fit(
+            module, FixedRollout(batch, source=BuiltinTask("reverse", num_digits=3), val_samples=0))
+    for b, p in zip(before, module.policy.parameters()):
+        assert torch.equal(b, p.detach())
+    assert memory_logger.history["policy/skipped_updates"][0] == 1
+    assert module.policy_version == 0
+
+
+def test_an_off_policy_rollout_is_refused(tiny_model_dir):
+    batch = frozen_rollout(tiny_model_dir)
+
+    class Stale(FixedRollout):
+        def rollout(self, problems):
+            stale = super().rollout(problems)
+            stale.policy_version -= 1
+            return stale
+
+    with pytest.raises(RuntimeError, match="off-policy rollout"):
+        trainer(1).fit(RLVRModule(model=tiny_model_dir),
+                       Stale(batch, source=BuiltinTask("reverse", num_digits=3), val_samples=0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"learning_rate": 0.0}, "learning_rate"),
+        ({"ppo_epochs": 0}, "ppo_epochs"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"loss_aggregation": "mean"}, "loss_aggregation"),
+        ({"kl_estimator": "k4"}, "kl_estimator"),
+        ({"clip_low": 1.5}, "clip_low"),
+        ({"minibatch_size": 0}, "minibatch_size"),
+    ],
+)
+def test_invalid_arguments_are_rejected_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RLVRModule(**kwargs)
