@@ -1,0 +1,105 @@
+"""The lightning_rlvr CLI: every shipped config loads and runs, bad keys fail by name, MLflow gets the run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_rlvr.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs_to_check():
+    assert {p.name for p in CONFIGS} >= {"quickstart.yaml", "dapo.yaml", "dr_grpo.yaml", "grpo_kl.yaml",
+                                          "math_jsonl.yaml"}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_validates_with_print_config(config):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "model:" in out.getvalue() and "data:" in out.getvalue()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_trains_for_two_rollout_steps(config, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # configs name files relative to the repository root (examples/)
+    updates_per_rollout = 8 if config.name == "grpo_kl.yaml" else 1
+    cli = main([
+        "fit", "--config", str(config),
+        "--trainer.max_steps", str(2 * updates_per_rollout),
+        "--trainer.logger", "false",
+        "--trainer.enable_checkpointing", "false",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.limit_val_batches", "1",
+        "--trainer.val_check_interval", "1",
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.default_root_dir", str(tmp_path),
+        "--data.val_max_prompts", "4",
+    ])
+    assert cli.trainer.global_step == 2 * updates_per_rollout
+
+
+def test_unknown_config_key_fails_naming_the_key():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs/quickstart.yaml"), "--model.learning_rat", "0.1"])
+    assert exit_info.value.code != 0
+    assert "learning_rat" in err.getvalue()
+
+
+def test_invalid_value_fails_with_the_reason(tmp_path):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises((SystemExit, ValueError)) as exit_info:
+        main(["fit", "--config", str(ROOT / "configs/quickstart.yaml"), "--model.loss_aggregation", "mean"])
+    assert "loss_aggregation" in err.getvalue() or "loss_aggregation" in str(exit_info.value)
+
+
+def test_fit_logs_metrics_and_config_to_mlflow(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    main([
+        "fit", "--config", str(ROOT / "configs/quickstart.yaml"),
+        "--trainer.max_steps", "4",
+        "--trainer.val_check_interval", "2",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.logger.init_args.tracking_uri", uri,
+        "--data.val_max_prompts", "8",
+    ])
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("quickstart")
+    (run,) = client.search_runs([experiment.experiment_id])
+    names = set(run.data.metrics)
+    required = {"reward/mean", "reward/accuracy", "rollout/zero_std_groups", "rollout/response_length",
+                "rollout/truncated", "entropy/token_mean", "entropy/failed", "entropy/successful",
+                "policy/clipfrac_high", "policy/clipfrac_low", "policy/ppo_kl", "policy/grad_norm", "loss/pg",
+                "val/accuracy", "val/pass_at_k", "reward/verifier_errors"}
+    assert required <= names, required - names
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3]  # one point per rollout step
+    val_steps = sorted(m.step for m in client.get_metric_history(run.info.run_id, "val/accuracy"))
+    assert val_steps[0] == 0  # the pre-training evaluation is the curve's first point
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert "config.yaml" in artifacts
+    config_text = Path(client.download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))).read_text()
+    assert "learning_rate: 0.0003" in config_text
+    checkpoints = list(tmp_path.rglob("*.ckpt"))
+    assert checkpoints, "ModelCheckpoint wrote no checkpoint"
+
+
+def test_python_dash_m_entry_point_prints_help():
+    result = subprocess.run([sys.executable, "-m", "lightning_rlvr", "--help"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0
+    assert "fit" in result.stdout
