@@ -264,7 +264,8 @@ class RLVRModule(pl.LightningModule):
         scheduler = self.lr_schedulers()
         sums: dict[str, float] = {k: 0.0 for k in ("pg", "kl", "total", "grad_norm", "high", "low", "dual", "ppo_kl")}
         applied = skipped = 0
-        entropy = None if old is None else old.entropy
+        # Old-policy entropy: from the no-grad pass, or filled micro-batch by micro-batch from the (only) update.
+        entropy = torch.zeros_like(mask) if old is None else old.entropy
         for _ in range(hp.ppo_epochs):
             order = torch.randperm(n, device=self.device) if n_updates > 1 else torch.arange(n, device=self.device)
             for mb_index in order.split(minibatch):
@@ -278,7 +279,7 @@ class RLVRModule(pl.LightningModule):
                     stats = self.token_stats(self.policy, micro)
                     old_logprobs = stats.logprobs.detach() if old is None else old.logprobs[micro_index]
                     if on_policy_single_update:
-                        entropy = stats.entropy
+                        entropy[micro_index] = stats.entropy
                     m = mask[micro_index]
                     pl_out = ppo_clip_loss(stats.logprobs, old_logprobs, token_adv[micro_index], hp.clip_low,
                                            hp.clip_high, hp.dual_clip)

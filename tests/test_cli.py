@@ -49,12 +49,14 @@ def test_every_config_trains_for_two_rollout_steps(config, tmp_path, monkeypatch
     assert cli.trainer.global_step == 2 * updates_per_rollout
 
 
-def test_unknown_config_key_fails_naming_the_key():
+def test_unknown_config_key_fails_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "configs/quickstart.yaml").read_text().replace("  ppo_epochs: 1", "  ppo_epochz: 1"))
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(ROOT / "configs/quickstart.yaml"), "--model.learning_rat", "0.1"])
+        main(["fit", "--config", str(bad)])
     assert exit_info.value.code != 0
-    assert "learning_rat" in err.getvalue()
+    assert "ppo_epochz" in err.getvalue()
 
 
 def test_invalid_value_fails_with_the_reason(tmp_path):

@@ -49,7 +49,10 @@ def frozen_rollout(model_dir: str, temperature: float = 1.0) -> RolloutBatch:
     dm.connect(module.tokenizer)
     dm.trainer = type("T", (), {"lightning_module": module})()
     torch.manual_seed(0)
-    return dm.rollout(dm.source.train_problems()[:8])
+    batch = dm.rollout(dm.source.train_problems()[:8])
+    # A random policy never solves the task; alternate rewards so that every group has a learning signal.
+    batch.rewards = (torch.arange(len(batch)) % 2).float()
+    return batch
 
 
 def test_logprobs_match_the_generation_logits_with_left_padding(tiny_model_dir):
@@ -83,8 +86,8 @@ def test_logprobs_match_the_generation_logits_with_left_padding(tiny_model_dir):
 def test_grpo_learns_the_reverse_task(tiny_model_dir, memory_logger):
     pl.seed_everything(0)
     module = RLVRModule(model=tiny_model_dir, learning_rate=3e-4)
-    data = reverse_data()
-    fit = trainer(150, logger=memory_logger, callbacks=[SupervisedWarmStart(steps=50)])
+    data = reverse_data(prompts_per_step=16, group_size=8)
+    fit = trainer(150, logger=memory_logger, callbacks=[SupervisedWarmStart(steps=100)])
     fit.fit(module, data)
     rewards = memory_logger.history["reward/mean"]
     steps = sorted(rewards)
@@ -131,9 +134,10 @@ def test_reference_model_only_with_kl_and_never_in_checkpoints(tiny_model_dir, t
     plain.configure_model()
     assert plain.ref_model is None
 
-    module = RLVRModule(model=tiny_model_dir, kl_coef=0.1, kl_estimator="k3")
+    module = RLVRModule(model=tiny_model_dir, kl_coef=0.1, kl_estimator="k3", learning_rate=1e-3)
     fit = trainer(3, logger=memory_logger, default_root_dir=tmp_path)
-    fit.fit(module, reverse_data())
+    fit.fit(module, FixedRollout(frozen_rollout(tiny_model_dir), source=BuiltinTask("reverse", num_digits=3),
+                                 val_samples=0))
     assert all(not p.requires_grad for p in module.ref_model.parameters())
     optimized = {id(p) for group in fit.optimizers[0].param_groups for p in group["params"]}
     assert optimized.isdisjoint(id(p) for p in module.ref_model.parameters())
