@@ -26,7 +26,7 @@ import lightning_rlvr.verifiers  # noqa: F401
 from lightning_rlvr.data.datamodule import RolloutDataModule
 from lightning_rlvr.module import RLVRModule
 
-__all__ = ["MLflowSaveConfigCallback", "RLVRCLI", "main"]
+__all__ = ["MLflowSaveConfigCallback", "RLVRCLI", "build_cli", "main"]
 
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
@@ -69,8 +69,8 @@ class RLVRCLI(LightningCLI):
         })
 
 
-def main(args: ArgsType = None, run: bool = True) -> RLVRCLI:
-    """Entry point of the ``lightning_rlvr`` console script (``args`` for tests and notebooks)."""
+def build_cli(args: ArgsType = None, run: bool = True) -> RLVRCLI:
+    """Parse ``args`` (default: ``sys.argv``), build module, DataModule and Trainer, and run the subcommand."""
     return RLVRCLI(
         RLVRModule,
         RolloutDataModule,
@@ -80,6 +80,14 @@ def main(args: ArgsType = None, run: bool = True) -> RLVRCLI:
         args=args,
         run=run,
     )
+
+
+def main(args: ArgsType = None) -> None:
+    """Entry point of the ``lightning_rlvr`` console script (``args`` for tests and notebooks).
+
+    Returns ``None`` on purpose: a console script passes the return value to ``sys.exit``.
+    """
+    build_cli(args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_rlvr.cli import main
+from lightning_rlvr.cli import build_cli, main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -34,7 +34,7 @@ def test_every_config_validates_with_print_config(config):
 def test_every_config_trains_for_two_rollout_steps(config, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # configs name files relative to the repository root (examples/)
     updates_per_rollout = 8 if config.name == "grpo_kl.yaml" else 1
-    cli = main([
+    cli = build_cli([
         "fit", "--config", str(config),
         "--trainer.max_steps", str(2 * updates_per_rollout),
         "--trainer.logger", "false",
@@ -98,6 +98,13 @@ def test_fit_logs_metrics_and_config_to_mlflow(tmp_path, monkeypatch):
     assert "learning_rate: 0.0003" in config_text
     checkpoints = list(tmp_path.rglob("*.ckpt"))
     assert checkpoints, "ModelCheckpoint wrote no checkpoint"
+
+
+def test_main_returns_none_so_the_console_script_exits_zero(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = main(["validate", "--config", str(ROOT / "configs/quickstart.yaml"), "--trainer.logger", "false",
+                   "--trainer.enable_progress_bar", "false", "--data.val_max_prompts", "4"])
+    assert result is None
 
 
 def test_python_dash_m_entry_point_prints_help():
