@@ -289,7 +289,6 @@ class RLVRModule(pl.LightningModule):
                         kl = kl_penalty(stats.logprobs, ref_logprobs[micro_index], hp.kl_estimator)
                         kl_loss = aggregate_loss(kl, m, hp.loss_aggregation, normalizer)
                         loss = loss + hp.kl_coef * kl_loss
-                        sums["kl"] += kl_loss.item()
                     bad = self._global_sum(torch.tensor(0.0 if torch.isfinite(loss) else 1.0, device=self.device))
                     if bad.item() > 0:
                         finite = False
@@ -298,6 +297,8 @@ class RLVRModule(pl.LightningModule):
                     with torch.no_grad():
                         sums["pg"] += pg_loss.item()
                         sums["total"] += loss.item()
+                        if ref_logprobs is not None:
+                            sums["kl"] += kl_loss.item()
                         denom = n_tokens.clamp_min(1)
                         sums["high"] += ((pl_out.clipped_high * m).sum() / denom).item()
                         sums["low"] += ((pl_out.clipped_low * m).sum() / denom).item()
