@@ -1,0 +1,225 @@
+"""The intervention protocol: a Callback whose hooks :class:`~lightning_rlvr.module.RLVRModule` calls inside a step.
+
+Lightning has no hook that may change a loss (``on_before_backward`` is notify-only), so the module
+calls these hooks itself, at fixed points of every training step, on each callback of
+``trainer.callbacks`` that subclasses :class:`Intervention`, **in list order**:
+
+=====================  ==========================================  ====================================
+hook                   when                                        may change
+=====================  ==========================================  ====================================
+``on_rollout``         after generation + verification             the batch (rewards, which rows stay)
+``shape_advantages``   once per step, after outcome advantages     ``ctx.advantages`` (per token)
+``token_weights``      every micro-batch, after the PPO surrogate  per-token weights of the pg loss
+``extra_loss``         every micro-batch                           an additive loss term
+``on_update_end``      after all optimizer steps of the rollout    the callback's own state
+=====================  ==========================================  ====================================
+
+Each hook sees what the previous callbacks did: ``shape_advantages`` reads and returns
+``ctx.advantages``; ``token_weights`` returns a factor multiplied into ``mctx.weights`` (the next
+callback sees the product); ``extra_loss`` terms are summed (``mctx.extra_losses`` lists those so far).
+The per-token policy-gradient loss that is aggregated is ``mctx.policy_loss.loss * mctx.weights``.
+
+A callback states what it needs in :attr:`Intervention.needs` so that the module computes only what
+some callback uses: entropy with gradient (entropy bonuses), old-policy log-probs and entropy before
+the advantages are shaped (normally skipped on a single on-policy update), reference log-probs (loads
+the frozen reference model even without a KL term).
+
+Statistics that a method defines over "the batch" (means, quantiles, top-k, random subsets) are taken
+over the valid tokens of the current micro-batch **on all ranks**: :meth:`MicroBatchContext.gather_valid`
+concatenates every rank's valid tokens (rank order, then row-major), so one process and N processes
+select the same tokens. With one device and no micro-batching that is the minibatch, which is what the
+reference implementations (verl-based, statistics per micro-batch) do when micro-batch = minibatch.
+
+Metrics: ``ctx.log("clip_cov/selected_fraction", x)`` (or ``mctx.log``); values logged several times
+in a step (once per micro-batch) are averaged, then logged with the step's other metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+
+from lightning_rlvr.distributed import all_sum, gather_cat
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_rlvr.algorithms.policy_loss import PolicyLossOutput
+    from lightning_rlvr.data.batch import RolloutBatch
+
+__all__ = ["Intervention", "MicroBatchContext", "Needs", "StepContext"]
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What an intervention asks the module to compute (the union over callbacks is computed).
+
+    Attributes:
+        entropy_grad: current-policy entropy with gradient in ``mctx.entropy`` (otherwise detached).
+        old_stats: old-policy log-probs and entropy in ``ctx.old_logprobs`` / ``ctx.old_entropy`` before
+            ``shape_advantages`` (forces the no-grad pass that a single on-policy update skips).
+        ref_logprobs: reference-model log-probs in ``ctx.ref_logprobs`` / ``mctx.ref_logprobs``.
+    """
+
+    entropy_grad: bool = False
+    old_stats: bool = False
+    ref_logprobs: bool = False
+
+    def __or__(self, other: Needs) -> Needs:
+        return Needs(*(a or b for a, b in zip(vars(self).values(), vars(other).values())))
+
+
+class _MetricSink:
+    """Running means of scalars logged during one step."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def log(self, name: str, value: float | Tensor) -> None:
+        value = float(value.item() if isinstance(value, Tensor) else value)
+        self.sums[name] = self.sums.get(name, 0.0) + value
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}
+
+
+@dataclass
+class StepContext:
+    """What one training step computed, shared by every intervention of the step.
+
+    Attributes:
+        batch: the scored rollout (after ``on_rollout``).
+        mask: ``(N, T)`` float response mask.
+        advantages: ``(N, T)`` per-token advantages (outcome advantage broadcast, then shaped).
+        old_logprobs: ``(N, T)`` behaviour-policy log-probs. Before the update only when some callback
+            needs ``old_stats`` (or the module needed them); always filled by ``on_update_end``.
+        old_entropy: ``(N, T)`` behaviour-policy token entropy, same availability.
+        ref_logprobs: ``(N, T)`` reference log-probs when a KL term or a callback needs them.
+        step: rollout step (the logger's step).
+        aggregation: the module's loss aggregation mode.
+    """
+
+    batch: RolloutBatch
+    mask: Tensor
+    advantages: Tensor
+    old_logprobs: Tensor | None = None
+    old_entropy: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    step: int = 0
+    aggregation: str = "token-mean"
+    metrics: _MetricSink = field(default_factory=_MetricSink)
+
+    def log(self, name: str, value: float | Tensor) -> None:
+        """Record a scalar metric for this step (averaged if logged several times)."""
+        self.metrics.log(name, value)
+
+
+@dataclass
+class MicroBatchContext:
+    """One micro-batch of one optimizer step (rows ``index`` of the step's batch).
+
+    Attributes:
+        step: the step's :class:`StepContext`.
+        index: ``(b,)`` rows of ``step.batch`` in this micro-batch.
+        mask: ``(b, T)`` float response mask.
+        advantages: ``(b, T)`` shaped advantages.
+        logprobs: ``(b, T)`` current log-probs (with gradient).
+        old_logprobs: ``(b, T)`` behaviour log-probs (detached).
+        entropy: ``(b, T)`` current entropy (with gradient only if some callback needs ``entropy_grad``).
+        ref_logprobs: ``(b, T)`` or ``None``.
+        policy_loss: the PPO surrogate's per-token output (loss, ratio, clip indicators).
+        weights: ``(b, T)`` product of the ``token_weights`` returned so far (starts at 1).
+        aggregate: ``aggregate(values) -> scalar`` with the module's mode and minibatch-wide normaliser,
+            so that an extra loss term accumulates over micro-batches (and ranks) like the pg loss.
+        extra_losses: ``{callback state_key: term}`` returned so far this micro-batch.
+    """
+
+    step: StepContext
+    index: Tensor
+    mask: Tensor
+    advantages: Tensor
+    logprobs: Tensor
+    old_logprobs: Tensor
+    entropy: Tensor
+    ref_logprobs: Tensor | None
+    policy_loss: PolicyLossOutput
+    weights: Tensor
+    aggregate: Callable[[Tensor], Tensor]
+    extra_losses: dict[str, Tensor] = field(default_factory=dict)
+
+    def log(self, name: str, value: float | Tensor) -> None:
+        self.step.log(name, value)
+
+    @property
+    def valid(self) -> Tensor:
+        """``(b, T)`` bool mask of valid tokens."""
+        return self.mask > 0
+
+    def gather_valid(self, values: Tensor) -> tuple[Tensor, int]:
+        """This micro-batch's valid-token values on every rank, flattened: ``(all_values, offset)``."""
+        return gather_cat(values[self.valid].detach())
+
+    def scatter_valid(self, selected: Tensor, offset: int) -> Tensor:
+        """Inverse of :meth:`gather_valid` for this rank: a flat selection back to a ``(b, T)`` tensor."""
+        valid = self.valid
+        local = selected[offset : offset + int(valid.sum().item())]
+        out = torch.zeros(valid.shape, dtype=selected.dtype, device=valid.device)
+        out[valid] = local.to(valid.device)
+        return out
+
+    def global_count(self) -> int:
+        """Number of valid tokens of this micro-batch on all ranks."""
+        return int(all_sum(self.valid.sum()).item())
+
+
+class Intervention(Callback):
+    """Base class of entropy interventions: override the hooks you need (all are no-ops by default).
+
+    Subclasses set :attr:`needs`, validate their constructor arguments immediately, and define
+    :attr:`state_key` from those arguments when two instances may coexist (see :meth:`_state_key`).
+    """
+
+    needs: Needs = Needs()
+    #: Prefix of this intervention's metrics (``<prefix>/<name>``).
+    metric_prefix: str = ""
+
+    def on_rollout(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: RolloutBatch) -> RolloutBatch | None:
+        """Change the scored rollout (rewards, kept rows); return the new batch or ``None`` to keep it."""
+        return None
+
+    def shape_advantages(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> Tensor | None:
+        """Return new ``(N, T)`` advantages (``ctx.advantages`` holds the current ones) or ``None``."""
+        return None
+
+    def token_weights(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext
+    ) -> Tensor | None:
+        """Return a ``(b, T)`` factor for the per-token pg loss (multiplied into ``ctx.weights``) or ``None``."""
+        return None
+
+    def extra_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor | None:
+        """Return a scalar added to this micro-batch's loss (use ``ctx.aggregate``) or ``None``."""
+        return None
+
+    def on_update_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> None:
+        """Called once per rollout step after its optimizer steps; update state, log metrics."""
+
+    def _state_key(self, **arguments: Any) -> str:
+        return self._generate_state_key(**arguments)
+
+    def log_name(self, name: str) -> str:
+        return f"{self.metric_prefix}/{name}" if self.metric_prefix else name
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> float:
+    """Mean of ``values`` over ``mask`` on all ranks (``nan`` when empty)."""
+    mask = mask.float()
+    totals = all_sum(torch.stack([(values.detach().float() * mask).sum(), mask.sum()]))
+    return totals[0].item() / totals[1].item() if totals[1] > 0 else math.nan

@@ -1,0 +1,67 @@
+"""Batch statistics are reduced across ranks: two gloo processes select what one process selects on the whole batch."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_rlvr.callbacks import ClipCov, KLCov, TopEntropyTokens
+from lightning_rlvr.distributed import all_sum, gather_cat
+
+from .helpers import micro_context, step_context
+
+
+def case():
+    g = torch.Generator().manual_seed(0)
+    rows, width = 8, 6
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    mask = (torch.arange(width) < lengths.unsqueeze(-1)).float()
+    adv = torch.randn(rows, generator=g) * 2
+    old = -torch.rand(rows, width, generator=g) * 4
+    logp = old + 0.3 * torch.randn(rows, width, generator=g)
+    entropy = torch.rand(rows, width, generator=g) * 3
+    return mask, adv, logp, old, entropy
+
+
+def outputs(rows):
+    """ClipCov weights, TopEntropyTokens weights and the KL-Cov term for ``rows`` of the case."""
+    mask, adv, logp, old, entropy = case()
+    step = step_context([0.0] * len(rows), mask[rows], advantages=adv[rows])
+    normalizer = all_sum(mask[rows].sum())  # the module all-reduces the minibatch normaliser the same way
+    ctx = micro_context(step, logp[rows], old[rows], entropy=entropy[rows], normalizer=normalizer)
+    clip = ClipCov(ratio=0.3, seed=5).token_weights(None, None, ctx)
+    top = TopEntropyTokens(ratio=0.25).token_weights(None, None, ctx)
+    kl = KLCov(ratio=0.2).extra_loss(None, None, ctx)
+    return clip, top, kl
+
+
+def worker(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        values, offset = gather_cat(torch.arange(3 + rank, dtype=torch.float32) + 10 * rank)
+        rows = torch.arange(4) + 4 * rank
+        clip, top, kl = outputs(rows)
+        kl_sum = all_sum(kl.detach())  # the ranks' losses add up to the whole batch's
+        torch.save({"values": values, "offset": offset, "clip": clip, "top": top, "kl_sum": kl_sum},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_select_the_same_tokens_as_one_process_on_the_whole_batch(tmp_path):
+    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    expected_values = torch.tensor([0.0, 1.0, 2.0, 10.0, 11.0, 12.0, 13.0])
+    for r, result in enumerate(ranks):
+        assert torch.equal(result["values"], expected_values)
+        assert result["offset"] == 3 * r
+
+    clip, top, kl = outputs(torch.arange(8))
+    assert (clip == 0).any() and (top > 0).any()
+    torch.testing.assert_close(torch.cat([r["clip"] for r in ranks]), clip)
+    torch.testing.assert_close(torch.cat([r["top"] for r in ranks]), top)
+    torch.testing.assert_close(ranks[0]["kl_sum"], kl.detach())
