@@ -7,6 +7,9 @@ One training step = one rollout batch:
 3. old-policy log-probs and entropy once, without gradient (and reference log-probs when ``kl_coef > 0``).
    With a single update per rollout (``ppo_epochs=1`` and one minibatch) the rollout is exactly on-policy,
    so the old log-probs *are* the current ones detached and that extra forward pass is skipped;
+   Entropy interventions (:class:`~lightning_rlvr.callbacks.Intervention` callbacks, in list order) may change
+   the rollout, shape the advantages, re-weight the per-token loss and add loss terms; the module computes
+   only what they declare they need (entropy with gradient, old stats before the update, reference log-probs);
 4. ``ppo_epochs`` × minibatches optimizer steps of the clipped surrogate (+ KL), each minibatch optionally
    split into micro-batches whose losses share the minibatch-wide normaliser (so accumulation gives the
    exact minibatch gradient);

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import collections
 import os
 import types
 
 import pytest
 import torch
-from lightning.pytorch.loggers.logger import Logger
 
+from lightning_rlvr.loggers import InMemoryLogger
 from lightning_rlvr.models import TinyModelConfig, build_tiny_model
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
 
@@ -23,31 +22,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), TinyModelConfig(seed=0))
 
 
-class MemoryLogger(Logger):
-    """Records every logged metric: ``history[key][step] = value``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.history: dict[str, dict[int, float]] = collections.defaultdict(dict)
-
-    @property
-    def name(self) -> str:
-        return "memory"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    @property
-    def experiment(self):
-        return None
-
-    def log_metrics(self, metrics, step=None) -> None:
-        for key, value in metrics.items():
-            self.history[key][step] = float(value)
-
-    def log_hyperparams(self, *args, **kwargs) -> None:
-        pass
+MemoryLogger = InMemoryLogger
 
 
 @pytest.fixture

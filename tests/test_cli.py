@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_rlvr.cli import build_cli, main
 
@@ -33,7 +35,11 @@ def test_every_config_validates_with_print_config(config):
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_trains_for_two_rollout_steps(config, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # configs name files relative to the repository root (examples/)
-    updates_per_rollout = 8 if config.name == "grpo_kl.yaml" else 1
+    settings = yaml.safe_load(config.read_text())
+    model, data = settings.get("model", {}), settings.get("data", {})
+    completions = data.get("prompts_per_step", 16) * data.get("group_size", 8)
+    updates_per_rollout = model.get("ppo_epochs", 1) * math.ceil(completions / (model.get("minibatch_size")
+                                                                               or completions))
     cli = build_cli([
         "fit", "--config", str(config),
         "--trainer.max_steps", str(2 * updates_per_rollout),

@@ -31,7 +31,9 @@ select the same tokens. With one device and no micro-batching that is the miniba
 reference implementations (verl-based, statistics per micro-batch) do when micro-batch = minibatch.
 
 Metrics: ``ctx.log("clip_cov/selected_fraction", x)`` (or ``mctx.log``); values logged several times
-in a step (once per micro-batch) are averaged, then logged with the step's other metrics.
+in a step (once per micro-batch) are averaged, then logged with the step's other metrics. Under DDP the
+step's metrics are averaged over ranks in one all-reduce, so every rank must log the same names (decide
+on rank-independent, i.e. already reduced, quantities).
 """
 
 from __future__ import annotations

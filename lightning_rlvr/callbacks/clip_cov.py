@@ -12,7 +12,7 @@ casual reading of the paper in three ways:
 - the bounds are absolute covariance values (1 and 5), not multiples of the mean covariance;
 - the reference recipe turns the ordinary PPO clip nearly off (``clip_ratio_low = clip_ratio_high = 1``,
   i.e. ``clamp(r, 0, 2)``) and uses no dual clip: set ``clip_low: 1.0``, ``clip_high: 1.0`` on the module
-  to reproduce it (``configs/clip_cov.yaml`` does).
+  to reproduce it (see the comment in ``configs/clip_cov.yaml``).
 
 The random draw uses this callback's own generator (seeded by ``seed``, checkpointed), so a run is
 reproducible and every rank draws the same permutation.

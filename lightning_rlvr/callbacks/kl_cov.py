@@ -9,7 +9,7 @@ like the pg loss. Reference semantics (verl / PRIME-RL ``compute_policy_loss_kl_
   their ``k_percent=0.2`` (7B) is ``ratio=2e-3`` here and ``0.02`` (32B) is ``2e-4``;
 - the paper's ``β = 1`` (verl's yaml default ``ppo_kl_coef = 0.1`` differs; this default is the paper's);
 - the reference surrogate has **no PPO clip** (``−A·r`` everywhere); set ``clip_low: 1.0`` and a large
-  ``clip_high`` on the module to match it (``configs/kl_cov.yaml`` does).
+  ``clip_high`` on the module to match it (see the comment in ``configs/kl_cov.yaml``).
 
 The penalty's gradient is zero while ``π_θ = π_old``: on the first minibatch of a rollout the term is
 inert, and with a single on-policy update per rollout KL-Cov does nothing. Use several minibatches
