@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_sum", "gather_cat", "world_size"]
+__all__ = ["all_max", "all_sum", "gather_cat", "world_size"]
 
 
 def world_size() -> int:
@@ -28,6 +28,14 @@ def all_sum(value: Tensor) -> Tensor:
         return value.clone()
     out = value.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_max(value: Tensor) -> Tensor:
+    """Element-wise maximum of ``value`` over ranks (a new tensor); ``-all_max(-x)`` is the minimum."""
+    out = value.clone()
+    if world_size() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out
 
 

@@ -245,6 +245,14 @@ class RLVRModule(pl.LightningModule):
         parts = [self.token_stats(model, batch.select(idx)) for idx in torch.arange(len(batch)).split(micro)]
         return TokenStats(torch.cat([p.logprobs for p in parts]), torch.cat([p.entropy for p in parts]))
 
+    def recompute_token_stats(self, batch: RolloutBatch) -> TokenStats:
+        """Log-probs and entropy of ``batch``'s completion tokens under the *current* policy, without gradient.
+
+        One extra forward pass over ``batch`` (micro-batched like training); for callbacks that measure what
+        an update did, e.g. the observed entropy change in ``on_update_end``.
+        """
+        return self._no_grad_stats(self.policy, batch)
+
     def advantages(self, batch: RolloutBatch) -> Tensor:
         """Per-completion advantages ``(N,)``."""
         if self.hparams.advantage == "rloo":

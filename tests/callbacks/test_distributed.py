@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_rlvr.callbacks import ClipCov, KLCov, TopEntropyTokens
-from lightning_rlvr.distributed import all_sum, gather_cat
+from lightning_rlvr.callbacks import ClipCov, KLCov, PositionShaping, TopEntropyTokens
+from lightning_rlvr.distributed import all_max, all_sum, gather_cat
+from lightning_rlvr.metrics.entropy_analysis import BucketedMean, position_buckets, rank_buckets
 
 from .helpers import micro_context, step_context
 
@@ -38,6 +39,17 @@ def outputs(rows):
     return clip, top, kl
 
 
+def stage_outputs(rows):
+    """PositionShaping with an entropy quantile, rank buckets of a per-row value, position-bucketed entropy."""
+    mask, adv, logp, old, entropy = case()
+    step = step_context([0.0] * len(rows), mask[rows], advantages=adv[rows], old_entropy=entropy[rows])
+    shaped = PositionShaping(active_steps=None, entropy_quantile=0.6).shape_advantages(None, None, step)
+    buckets = rank_buckets(adv[rows], 3)
+    metric = BucketedMean(4)
+    metric.update(entropy[rows], position_buckets(mask[rows], 4), mask[rows])
+    return shaped, buckets, metric.compute()["mean"], all_max(adv[rows].max())
+
+
 def worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -46,7 +58,9 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         rows = torch.arange(4) + 4 * rank
         clip, top, kl = outputs(rows)
         kl_sum = all_sum(kl.detach())  # the ranks' losses add up to the whole batch's
-        torch.save({"values": values, "offset": offset, "clip": clip, "top": top, "kl_sum": kl_sum},
+        shaped, buckets, by_position, max_adv = stage_outputs(rows)
+        torch.save({"values": values, "offset": offset, "clip": clip, "top": top, "kl_sum": kl_sum,
+                    "shaped": shaped, "buckets": buckets, "by_position": by_position, "max_adv": max_adv},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -65,3 +79,11 @@ def test_two_ranks_select_the_same_tokens_as_one_process_on_the_whole_batch(tmp_
     torch.testing.assert_close(torch.cat([r["clip"] for r in ranks]), clip)
     torch.testing.assert_close(torch.cat([r["top"] for r in ranks]), top)
     torch.testing.assert_close(ranks[0]["kl_sum"], kl.detach())
+
+    shaped, buckets, by_position, max_adv = stage_outputs(torch.arange(8))
+    assert (shaped != case()[1].unsqueeze(-1)).any()
+    torch.testing.assert_close(torch.cat([r["shaped"] for r in ranks]), shaped)
+    assert torch.equal(torch.cat([r["buckets"] for r in ranks]), buckets)
+    for result in ranks:  # torchmetrics compute() syncs the sum states: every rank gets the global means
+        torch.testing.assert_close(result["by_position"], by_position, equal_nan=True)
+        torch.testing.assert_close(result["max_adv"], max_adv)
