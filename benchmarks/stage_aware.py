@@ -9,6 +9,8 @@ Setting = the quickstart (`a+b=`, a, b in 0..49, 200 warm-start steps on 5% of t
 
     python benchmarks/stage_aware.py --seeds 0 1 2            # ~3 min per run on 2 cores
     python benchmarks/stage_aware.py --methods grpo --steps 600 --seeds 0
+    python benchmarks/stage_aware.py --methods grpo --save-curves /tmp/curves   # per-step entropy/reward JSON,
+                                                                                # to tune the detector offline
 
 Prints per run the detected transition step (and when it was confirmed), the entropy and accuracy slopes
 of the two stages, the entropy change of the update split by polarity in each stage (which samples carry
@@ -19,6 +21,7 @@ seeds per method and the differences to GRPO.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import time
@@ -79,6 +82,9 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, float]:
         "pass_at_8": h["val/pass_at_k"][max(h["val/pass_at_k"])],
         "seconds": time.perf_counter() - start,
     }
+    if args.save_curves:  # per-step curves, for tuning the detector offline on real runs
+        with open(f"{args.save_curves}/{method}_seed{seed}.json", "w") as f:
+            json.dump({k: {str(s): v for s, v in h[k].items()} for k in ("entropy/token_mean", "reward/mean")}, f)
     for name, steps in (("rising", rising), ("plateau", plateau)):
         out[f"entropy_slope_{name}"] = _mean(h["analysis/entropy_slope"], steps)
         out[f"accuracy_slope_{name}"] = _mean(h["analysis/accuracy_slope"], steps)
@@ -93,6 +99,7 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=4500, help="rollout steps")
     parser.add_argument("--analysis-every", type=int, default=10, help="steps between entropy-change measurements")
+    parser.add_argument("--save-curves", metavar="DIR", help="write each run's per-step entropy and reward here")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
 

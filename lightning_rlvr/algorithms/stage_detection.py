@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["HingeFit", "OnlineStageDetector", "fit_hinge", "linear_slope"]
+__all__ = ["HingeFit", "OnlineStageDetector", "fit_hinge", "linear_slope", "linear_slope_with_error"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,22 @@ def linear_slope(values: np.ndarray | list[float]) -> float:
     return float(np.dot(x, y - y.mean()) / np.dot(x, x))
 
 
+def linear_slope_with_error(values: np.ndarray | list[float]) -> tuple[float, float]:
+    """Least-squares slope of ``values`` against ``0..n-1`` and its standard error.
+
+    ``se = sqrt(SSR / (n - 2) / Σ (x - x̄)²)``, the ordinary-least-squares error of the slope; ``nan`` for
+    fewer than 3 points.
+    """
+    y = np.asarray(values, dtype=np.float64)
+    if y.size < 3:
+        return math.nan, math.nan
+    x = np.arange(y.size, dtype=np.float64) - (y.size - 1) / 2
+    sxx = float(np.dot(x, x))
+    slope = float(np.dot(x, y - y.mean()) / sxx)
+    residual = y - y.mean() - slope * x
+    return slope, math.sqrt(float(np.dot(residual, residual)) / (y.size - 2) / sxx)
+
+
 class OnlineStageDetector:
     """Online rising → plateau decision on a scalar series (the per-step token-mean entropy).
 
@@ -109,10 +125,13 @@ class OnlineStageDetector:
         patience: consecutive steps the fit must say "plateau" before the stage switches.
         reward_flatness: if set, the reward series (second argument of :meth:`update`), fitted with the
             same break, must also flatten: reward slope after ``≤ reward_flatness ×`` slope before (> 0).
+        reward_confidence: z: both reward conditions must hold by ``z`` standard errors of the slopes
+            (``before − z·se > 0`` and ``after + z·se ≤ reward_flatness · before``), so a short, noisy
+            post-break segment cannot pass on chance (0 compares point estimates).
     """
 
     def __init__(self, min_segment: int = 50, flatness: float = 0.25, min_drop: float = 0.2, patience: int = 20,
-                 reward_flatness: float | None = None) -> None:
+                 reward_flatness: float | None = None, reward_confidence: float = 2.0) -> None:
         if min_segment < 2:
             raise ValueError(f"min_segment must be >= 2, got {min_segment}")
         if not 0 <= flatness < 1:
@@ -124,7 +143,9 @@ class OnlineStageDetector:
         if reward_flatness is not None and not 0 <= reward_flatness < 1:
             raise ValueError(f"reward_flatness must be in [0, 1) or None, got {reward_flatness}")
         self.min_segment, self.flatness, self.min_drop = min_segment, flatness, min_drop
-        self.patience, self.reward_flatness = patience, reward_flatness
+        if reward_confidence < 0:
+            raise ValueError(f"reward_confidence must be >= 0, got {reward_confidence}")
+        self.patience, self.reward_flatness, self.reward_confidence = patience, reward_flatness, reward_confidence
         self.values: list[float] = []
         self.rewards: list[float] = []
         self.steps: list[int] = []
@@ -146,8 +167,10 @@ class OnlineStageDetector:
         if self.reward_flatness is None:
             return True
         rewards = np.asarray(self.rewards, dtype=np.float64)
-        before, after = linear_slope(rewards[: fit.tau]), linear_slope(rewards[fit.tau :])
-        return before > 0 and after <= self.reward_flatness * before
+        before, se_before = linear_slope_with_error(rewards[: fit.tau])
+        after, se_after = linear_slope_with_error(rewards[fit.tau :])
+        z = self.reward_confidence
+        return before - z * se_before > 0 and after + z * se_after <= self.reward_flatness * before
 
     def update(self, value: float, reward: float | None = None, step: int | None = None) -> bool:
         """Add one step's value (and reward); returns whether the stage is plateau after it.
