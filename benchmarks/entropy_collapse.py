@@ -30,6 +30,7 @@ import torch
 from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
 from lightning_rlvr.callbacks import (
     GTPO,
+    STEER,
     AdaptiveEntropy,
     ClipCov,
     EntropyBonus,
@@ -49,6 +50,8 @@ METHODS = {
     "entropy_bonus": lambda: [EntropyBonus(coef=0.005)],
     "top_entropy": lambda: [TopEntropyTokens(ratio=0.2)],
     "gtpo": lambda: [GTPO()],
+    "steer": lambda: [STEER()],  # exp mode, λ_min 0.8, the reference Ω (paper defaults)
+    "steer_exact": lambda: [STEER(omega="exact", omega_floor=1e-3)],
 }
 
 

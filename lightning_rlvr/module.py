@@ -224,8 +224,9 @@ class RLVRModule(pl.LightningModule):
         return needs
 
     # -- per-token statistics ------------------------------------------------------------------------------
-    def token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool = False) -> TokenStats:
-        """Log-probs (and entropy) of ``batch``'s completion tokens under ``model`` at the sampling temperature."""
+    def token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool = False,
+                    with_sbar: bool = False) -> TokenStats:
+        """Log-probs and entropy (and ``S̄``) of ``batch``'s completion tokens under ``model`` at the sampling temperature."""
         width = batch.completion_ids.shape[1]
         out = model(
             input_ids=batch.input_ids,
@@ -236,22 +237,25 @@ class RLVRModule(pl.LightningModule):
         )
         logits = out.logits[:, -(width + 1) : -1]
         return token_logprobs_and_entropy(
-            logits, batch.completion_ids, batch.temperature, self.hparams.logprob_chunk_size, entropy_grad=entropy_grad
+            logits, batch.completion_ids, batch.temperature, self.hparams.logprob_chunk_size, entropy_grad=entropy_grad,
+            with_sbar=with_sbar,
         )
 
     @torch.no_grad()
-    def _no_grad_stats(self, model: torch.nn.Module, batch: RolloutBatch) -> TokenStats:
+    def _no_grad_stats(self, model: torch.nn.Module, batch: RolloutBatch, with_sbar: bool = False) -> TokenStats:
         micro = self.hparams.micro_batch_size or len(batch)
-        parts = [self.token_stats(model, batch.select(idx)) for idx in torch.arange(len(batch)).split(micro)]
-        return TokenStats(torch.cat([p.logprobs for p in parts]), torch.cat([p.entropy for p in parts]))
+        parts = [self.token_stats(model, batch.select(idx), with_sbar=with_sbar)
+                 for idx in torch.arange(len(batch)).split(micro)]
+        return TokenStats(torch.cat([p.logprobs for p in parts]), torch.cat([p.entropy for p in parts]),
+                          torch.cat([p.sbar for p in parts]) if with_sbar else None)
 
-    def recompute_token_stats(self, batch: RolloutBatch) -> TokenStats:
-        """Log-probs and entropy of ``batch``'s completion tokens under the *current* policy, without gradient.
+    def recompute_token_stats(self, batch: RolloutBatch, with_sbar: bool = False) -> TokenStats:
+        """Log-probs and entropy (and ``S̄``) of ``batch``'s completion tokens under the *current* policy, no grad.
 
         One extra forward pass over ``batch`` (micro-batched like training); for callbacks that measure what
         an update did, e.g. the observed entropy change in ``on_update_end``.
         """
-        return self._no_grad_stats(self.policy, batch)
+        return self._no_grad_stats(self.policy, batch, with_sbar)
 
     def advantages(self, batch: RolloutBatch) -> Tensor:
         """Per-completion advantages ``(N,)``."""
@@ -287,13 +291,15 @@ class RLVRModule(pl.LightningModule):
         minibatch = min(hp.minibatch_size or n, n)
         n_updates = hp.ppo_epochs * math.ceil(n / minibatch)
         on_policy_single_update = n_updates == 1
-        old = None if on_policy_single_update and not needs.old_stats else self._no_grad_stats(self.policy, rollout)
+        old = (None if on_policy_single_update and not needs.old_stats
+               else self._no_grad_stats(self.policy, rollout, with_sbar=needs.flow_stats))
         ref_logprobs = None
         if hp.kl_coef > 0 or needs.ref_logprobs:
             ref_logprobs = self._no_grad_stats(self.ref_model, rollout).logprobs
         ctx = StepContext(
             batch=rollout, mask=mask, advantages=self.advantages(rollout).unsqueeze(-1).expand_as(mask).contiguous(),
             old_logprobs=None if old is None else old.logprobs, old_entropy=None if old is None else old.entropy,
+            old_sbar=None if old is None else old.sbar,
             ref_logprobs=ref_logprobs, step=self.trainer.fit_loop.epoch_loop._batches_that_stepped,
             aggregation=hp.loss_aggregation,
         )
@@ -313,6 +319,7 @@ class RLVRModule(pl.LightningModule):
         # Old-policy stats: from the no-grad pass, or filled micro-batch by micro-batch from the (only) update.
         entropy = torch.zeros_like(mask) if old is None else old.entropy
         logprobs_seen = torch.zeros_like(mask) if old is None else old.logprobs
+        sbar_seen = (torch.zeros_like(mask) if old is None else old.sbar) if needs.flow_stats else None
         for _ in range(hp.ppo_epochs):
             order = torch.randperm(n, device=self.device) if n_updates > 1 else torch.arange(n, device=self.device)
             for mb_index in order.split(minibatch):
@@ -323,11 +330,16 @@ class RLVRModule(pl.LightningModule):
                 finite = True
                 for micro_index in mb_index.split(hp.micro_batch_size or len(mb_index)):
                     micro = rollout.select(micro_index)
-                    stats = self.token_stats(self.policy, micro, entropy_grad=needs.entropy_grad)
+                    stats = self.token_stats(self.policy, micro, entropy_grad=needs.entropy_grad,
+                                             with_sbar=needs.flow_stats)
                     old_logprobs = stats.logprobs.detach() if old is None else old.logprobs[micro_index]
+                    # On the single on-policy update the current policy *is* the behaviour policy.
+                    old_entropy = stats.entropy.detach() if old is None else old.entropy[micro_index]
                     if old is None:
-                        entropy[micro_index] = stats.entropy.detach()
+                        entropy[micro_index] = old_entropy
                         logprobs_seen[micro_index] = old_logprobs
+                        if sbar_seen is not None:
+                            sbar_seen[micro_index] = stats.sbar
                     m = mask[micro_index]
                     pl_out = ppo_clip_loss(stats.logprobs, old_logprobs, token_adv[micro_index], hp.clip_low,
                                            hp.clip_high, hp.dual_clip)
@@ -337,6 +349,7 @@ class RLVRModule(pl.LightningModule):
                         mctx = MicroBatchContext(
                             step=ctx, index=micro_index, mask=m, advantages=token_adv[micro_index],
                             logprobs=stats.logprobs, old_logprobs=old_logprobs, entropy=stats.entropy,
+                            old_entropy=old_entropy, sbar=stats.sbar,
                             ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro_index],
                             policy_loss=pl_out, weights=torch.ones_like(m), aggregate=aggregate,
                         )
@@ -382,7 +395,7 @@ class RLVRModule(pl.LightningModule):
                 applied += 1
                 sums["grad_norm"] += grad_norm.item()
 
-        ctx.old_logprobs, ctx.old_entropy = logprobs_seen, entropy
+        ctx.old_logprobs, ctx.old_entropy, ctx.old_sbar = logprobs_seen, entropy, sbar_seen
         for cb in interventions:
             cb.on_update_end(self.trainer, self, ctx)
         metrics = self._step_metrics(rollout, entropy, sums, applied, skipped, n_updates)

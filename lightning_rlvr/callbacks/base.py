@@ -66,11 +66,15 @@ class Needs:
         old_stats: old-policy log-probs and entropy in ``ctx.old_logprobs`` / ``ctx.old_entropy`` before
             ``shape_advantages`` (forces the no-grad pass that a single on-policy update skips).
         ref_logprobs: reference-model log-probs in ``ctx.ref_logprobs`` / ``mctx.ref_logprobs``.
+        flow_stats: ``S̄ = Σ_j π_j² (log π_j + H)`` (the first-order entropy-change statistic,
+            :mod:`lightning_rlvr.algorithms.entropy_change`) of the current policy in ``mctx.sbar`` and of
+            the behaviour policy in ``ctx.old_sbar`` — two more reductions in the same vocabulary pass.
     """
 
     entropy_grad: bool = False
     old_stats: bool = False
     ref_logprobs: bool = False
+    flow_stats: bool = False
 
     def __or__(self, other: Needs) -> Needs:
         return Needs(*(a or b for a, b in zip(vars(self).values(), vars(other).values())))
@@ -103,6 +107,7 @@ class StepContext:
         old_logprobs: ``(N, T)`` behaviour-policy log-probs. Before the update only when some callback
             needs ``old_stats`` (or the module needed them); always filled by ``on_update_end``.
         old_entropy: ``(N, T)`` behaviour-policy token entropy, same availability.
+        old_sbar: ``(N, T)`` behaviour-policy ``S̄`` when some callback needs ``flow_stats``; same availability.
         ref_logprobs: ``(N, T)`` reference log-probs when a KL term or a callback needs them.
         step: rollout step (the logger's step).
         aggregation: the module's loss aggregation mode.
@@ -113,6 +118,7 @@ class StepContext:
     advantages: Tensor
     old_logprobs: Tensor | None = None
     old_entropy: Tensor | None = None
+    old_sbar: Tensor | None = None
     ref_logprobs: Tensor | None = None
     step: int = 0
     aggregation: str = "token-mean"
@@ -135,6 +141,8 @@ class MicroBatchContext:
         logprobs: ``(b, T)`` current log-probs (with gradient).
         old_logprobs: ``(b, T)`` behaviour log-probs (detached).
         entropy: ``(b, T)`` current entropy (with gradient only if some callback needs ``entropy_grad``).
+        old_entropy: ``(b, T)`` behaviour-policy entropy (detached; the current one on a single on-policy update).
+        sbar: ``(b, T)`` current ``S̄`` when some callback needs ``flow_stats``, else ``None``.
         ref_logprobs: ``(b, T)`` or ``None``.
         policy_loss: the PPO surrogate's per-token output (loss, ratio, clip indicators).
         weights: ``(b, T)`` product of the ``token_weights`` returned so far (starts at 1).
@@ -155,6 +163,8 @@ class MicroBatchContext:
     weights: Tensor
     aggregate: Callable[[Tensor], Tensor]
     extra_losses: dict[str, Tensor] = field(default_factory=dict)
+    old_entropy: Tensor | None = None
+    sbar: Tensor | None = None
 
     def log(self, name: str, value: float | Tensor) -> None:
         self.step.log(name, value)

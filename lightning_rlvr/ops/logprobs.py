@@ -15,6 +15,15 @@ float32 probabilities alive (the closed forms below), so memory stays lean with 
 .. math::
     \\frac{\\partial \\log \\pi(a)}{\\partial u_j} = \\mathbb 1[j=a] - p_j, \\qquad
     \\frac{\\partial H}{\\partial u_j} = -p_j (\\log p_j + H).
+
+The same pass can also return the vocabulary statistic of the first-order entropy change (ALGORITHMS.md
+§2.2; arXiv 2510.10150, 2602.03392 Thm 3.3): with ``S(j) = p_j (\\log p_j + H)``,
+
+.. math::
+    \\bar S = \\sum_j p_j S(j) = \\sum_j p_j^2 (\\log p_j + H),
+
+so that a gradient step of size ``η`` on ``A · r · log π(a)`` at one position changes that position's
+entropy by ``ΔH ≈ -η A r (S(a) - \\bar S)``; ``S(a)`` itself needs only ``log π(a)`` and ``H``.
 """
 
 from __future__ import annotations
@@ -34,19 +43,26 @@ class TokenStats:
     Attributes:
         logprobs: ``log π(a_t)`` of the given labels, float32, shape ``labels.shape``.
         entropy: full-vocabulary entropy ``H_t`` (nats), float32, or ``None`` when not requested.
+        sbar: ``S̄_t = Σ_j p_j² (log p_j + H_t)``, float32 and detached, or ``None`` when not requested.
     """
 
     logprobs: Tensor
     entropy: Tensor | None
+    sbar: Tensor | None = None
 
 
-def _chunk_forward(u: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Log-prob of ``labels``, entropy and logsumexp for one float32 chunk of scaled logits."""
+def _chunk_forward(u: Tensor, labels: Tensor, with_sbar: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Log-prob of ``labels``, entropy, logsumexp (and ``S̄``) for one float32 chunk of scaled logits."""
     lse = torch.logsumexp(u, dim=-1)
     log_p = _log_probs(u, lse)
     logp_label = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    entropy = -(torch.exp(log_p) * log_p).sum(-1)
-    return logp_label, entropy, lse
+    p = torch.exp(log_p)
+    p_log_p = p * log_p
+    entropy = -p_log_p.sum(-1)
+    sbar = None
+    if with_sbar:  # Σ p² log p + H Σ p², from the chunk's p and p·log p already in memory
+        sbar = (p * p_log_p).sum(-1) + entropy * (p * p).sum(-1)
+    return logp_label, entropy, lse, sbar
 
 
 def _log_probs(u: Tensor, lse: Tensor) -> Tensor:
@@ -58,22 +74,27 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     """Autograd function over flattened ``(N, V)`` logits; recomputes the softmax per chunk in backward."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, temperature: float, chunk_size: int):  # type: ignore[override]
+    def forward(ctx, logits: Tensor, labels: Tensor, temperature: float, chunk_size: int,  # type: ignore[override]
+                with_sbar: bool):
         n = logits.shape[0]
         logp = torch.empty(n, dtype=torch.float32, device=logits.device)
         entropy = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        sbar = torch.empty(n if with_sbar else 0, dtype=torch.float32, device=logits.device)
         for start in range(0, n, chunk_size):
             sl = slice(start, start + chunk_size)
             u = logits[sl].float() / temperature
-            logp[sl], entropy[sl], lse[sl] = _chunk_forward(u, labels[sl])
+            logp[sl], entropy[sl], lse[sl], chunk_sbar = _chunk_forward(u, labels[sl], with_sbar)
+            if with_sbar:
+                sbar[sl] = chunk_sbar
         ctx.save_for_backward(logits, labels, lse, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        return logp, entropy
+        ctx.mark_non_differentiable(sbar)
+        return logp, entropy, sbar
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor, grad_sbar: Tensor):  # type: ignore[override]
         logits, labels, lse, entropy = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         grad_logits = torch.empty_like(logits)
@@ -90,7 +111,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             g = -p * (grad_logp[sl].unsqueeze(-1) + grad_entropy[sl].unsqueeze(-1) * (log_p + entropy[sl].unsqueeze(-1)))
             g.scatter_add_(-1, labels[sl].unsqueeze(-1), grad_logp[sl].unsqueeze(-1))
             grad_logits[sl] = (g / temperature).to(logits.dtype)
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
 def token_logprobs_and_entropy(
@@ -100,6 +121,7 @@ def token_logprobs_and_entropy(
     chunk_size: int = 1024,
     with_entropy: bool = True,
     entropy_grad: bool = False,
+    with_sbar: bool = False,
 ) -> TokenStats:
     """Log-probabilities of ``labels`` and full-vocabulary entropy under ``softmax(logits / temperature)``.
 
@@ -111,6 +133,7 @@ def token_logprobs_and_entropy(
         with_entropy: compute the entropy at all.
         entropy_grad: let gradient flow through the entropy (needed only by entropy-bonus terms);
             otherwise the entropy is detached, which is what diagnostics want.
+        with_sbar: also return ``S̄`` (module docstring), from the same chunks: no extra vocabulary pass.
 
     Returns:
         :class:`TokenStats` with float32 ``logprobs`` (differentiable if ``logits`` is) and ``entropy``.
@@ -124,15 +147,19 @@ def token_logprobs_and_entropy(
     shape = labels.shape
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1).long()
-    logp, entropy = _ChunkedLogprobEntropy.apply(flat_logits, flat_labels, float(temperature), int(chunk_size))
+    logp, entropy, sbar = _ChunkedLogprobEntropy.apply(flat_logits, flat_labels, float(temperature), int(chunk_size),
+                                                       bool(with_sbar))
     if not (with_entropy and entropy_grad):
         entropy = entropy.detach()
-    return TokenStats(logprobs=logp.reshape(shape), entropy=entropy.reshape(shape) if with_entropy else None)
+    return TokenStats(logprobs=logp.reshape(shape), entropy=entropy.reshape(shape) if with_entropy else None,
+                      sbar=sbar.reshape(shape) if with_sbar else None)
 
 
 def naive_logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> TokenStats:
     """Reference implementation with a full float32 ``log_softmax`` (for tests and benchmarks only)."""
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
     logp = logp_all.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return TokenStats(logprobs=logp, entropy=entropy)
+    p = logp_all.exp()
+    entropy = -(p * logp_all).sum(-1)
+    sbar = (p * p * (logp_all + entropy.unsqueeze(-1))).sum(-1)
+    return TokenStats(logprobs=logp, entropy=entropy, sbar=sbar)

@@ -36,7 +36,7 @@ def step_context(rewards, mask, advantages=None, group_ids=None, old_logprobs=No
 
 
 def micro_context(step: StepContext, logprobs, old_logprobs=None, entropy=None, clip_low=0.2, clip_high=0.2,
-                  index=None, mode="token-mean", normalizer=None) -> MicroBatchContext:
+                  index=None, mode="token-mean", normalizer=None, old_entropy=None, sbar=None) -> MicroBatchContext:
     """A micro-batch context over rows ``index`` (default: all) of ``step`` (default normaliser: these rows')."""
     index = torch.arange(len(step.batch)) if index is None else torch.as_tensor(index)
     mask = step.mask[index]
@@ -49,4 +49,5 @@ def micro_context(step: StepContext, logprobs, old_logprobs=None, entropy=None, 
         step=step, index=index, mask=mask, advantages=advantages, logprobs=logprobs, old_logprobs=old,
         entropy=entropy, ref_logprobs=None, policy_loss=out, weights=torch.ones_like(mask),
         aggregate=functools.partial(aggregate_loss, mask=mask, mode=mode, normalizer=normalizer),
+        old_entropy=entropy if old_entropy is None else old_entropy, sbar=sbar,
     )

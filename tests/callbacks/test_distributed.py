@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_rlvr.callbacks import ClipCov, KLCov, PositionShaping, TopEntropyTokens
+from lightning_rlvr.callbacks import STEER, ClipCov, KLCov, PositionShaping, TopEntropyTokens
 from lightning_rlvr.distributed import all_max, all_sum, gather_cat
 from lightning_rlvr.metrics.entropy_analysis import BucketedMean, position_buckets, rank_buckets
 
@@ -50,6 +50,15 @@ def stage_outputs(rows):
     return shaped, buckets, metric.compute()["mean"], all_max(adv[rows].max())
 
 
+def steer_outputs(rows):
+    """STEER weights in both modes (extremes of |Ω| over all ranks) and the exp mode's logged metrics."""
+    mask, adv, logp, old, entropy = case()
+    step = step_context([0.0] * len(rows), mask[rows], advantages=adv[rows])
+    ctx = micro_context(step, logp[rows], old[rows], entropy=entropy[rows])
+    weights = [STEER(mode=mode).token_weights(None, None, ctx) for mode in ("exp", "linear")]
+    return weights, {k: v for k, v in step.metrics.means().items() if k.startswith("steer/")}
+
+
 def worker(rank: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -59,8 +68,10 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
         clip, top, kl = outputs(rows)
         kl_sum = all_sum(kl.detach())  # the ranks' losses add up to the whole batch's
         shaped, buckets, by_position, max_adv = stage_outputs(rows)
+        steer, steer_metrics = steer_outputs(rows)
         torch.save({"values": values, "offset": offset, "clip": clip, "top": top, "kl_sum": kl_sum,
-                    "shaped": shaped, "buckets": buckets, "by_position": by_position, "max_adv": max_adv},
+                    "shaped": shaped, "buckets": buckets, "by_position": by_position, "max_adv": max_adv,
+                    "steer": steer, "steer_metrics": steer_metrics},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -87,3 +98,11 @@ def test_two_ranks_select_the_same_tokens_as_one_process_on_the_whole_batch(tmp_
     for result in ranks:  # torchmetrics compute() syncs the sum states: every rank gets the global means
         torch.testing.assert_close(result["by_position"], by_position, equal_nan=True)
         torch.testing.assert_close(result["max_adv"], max_adv)
+
+    steer, steer_metrics = steer_outputs(torch.arange(8))
+    for mode in range(2):
+        torch.testing.assert_close(torch.cat([r["steer"][mode] for r in ranks]), steer[mode])
+    for result in ranks:  # the metrics (mean, min, max, clip fractions) are those of the whole batch
+        assert result["steer_metrics"].keys() == steer_metrics.keys()
+        for key, value in steer_metrics.items():
+            assert abs(result["steer_metrics"][key] - value) < 1e-6, key

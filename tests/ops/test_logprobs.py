@@ -315,3 +315,41 @@ def test_logits_labels_shape_mismatch_raises_value_error(label_shape):
     logits, _ = _inputs(0, shape=(3, 5))
     with pytest.raises(ValueError):
         token_logprobs_and_entropy(logits, torch.zeros(label_shape, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- S̄ (first-order entropy change)
+def ref_sbar_loop(logits: list[float], temperature: float) -> float:
+    """Σ_j p_j² (log p_j + H) for one row, with the math module."""
+    u = [z / temperature for z in logits]
+    m = max(u)
+    lse = m + math.log(sum(math.exp(x - m) for x in u))
+    logp = [x - lse for x in u]
+    entropy = -sum(math.exp(lp) * lp for lp in logp)
+    return sum(math.exp(2 * lp) * (lp + entropy) for lp in logp)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, HUGE_CHUNK])
+def test_sbar_matches_a_python_loop_and_leaves_logprobs_entropy_and_gradients_unchanged(chunk_size):
+    logits, labels = _inputs(5, shape=(2, 4), vocab=11)
+    logits.requires_grad_(True)
+    with_sbar = token_logprobs_and_entropy(logits, labels, 0.8, chunk_size, entropy_grad=True, with_sbar=True)
+    plain = token_logprobs_and_entropy(logits, labels, 0.8, chunk_size, entropy_grad=True)
+    assert plain.sbar is None and not with_sbar.sbar.requires_grad
+    for b in range(2):
+        for t in range(4):
+            expected = ref_sbar_loop(logits[b, t].tolist(), 0.8)
+            assert with_sbar.sbar[b, t].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(with_sbar.logprobs, plain.logprobs)
+    torch.testing.assert_close(with_sbar.entropy, plain.entropy)
+    grads = [torch.autograd.grad((s.logprobs.sum() + s.entropy.sum()), logits)[0] for s in (with_sbar, plain)]
+    torch.testing.assert_close(grads[0], grads[1])
+    torch.testing.assert_close(naive_logprobs_and_entropy(logits, labels, 0.8).sbar, with_sbar.sbar,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_sbar_is_finite_with_masked_logits():
+    logits, labels = _inputs(6, shape=(3,), vocab=6)
+    logits[:, 4:] = -torch.inf
+    out = token_logprobs_and_entropy(logits, labels.clamp_max(3), with_sbar=True)
+    expected = [ref_sbar_loop(row[:4].tolist(), 1.0) for row in logits]
+    torch.testing.assert_close(out.sbar, torch.tensor(expected), rtol=1e-5, atol=1e-6)

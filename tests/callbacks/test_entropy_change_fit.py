@@ -1,0 +1,93 @@
+"""STEER and the EntropyChangeProbe inside a real fit, checked against an independent Categorical recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_rlvr import RLVRModule
+from lightning_rlvr.callbacks import STEER, EntropyChangeProbe, Intervention
+from test_module import trainer
+
+from .test_protocol import fixed, frozen_rollout
+from .test_stage_aware_fit import ObservedChange
+
+
+def completion_distribution(pl_module, batch) -> torch.distributions.Categorical:
+    with torch.no_grad():
+        out = pl_module.policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                               position_ids=batch.position_ids)
+    width = batch.response_mask.shape[1]
+    return torch.distributions.Categorical(logits=out.logits[:, -(width + 1) : -1].double() / batch.temperature)
+
+
+class PredictionBeforeUpdate(Intervention):
+    """The flow and covariance predictions from the behaviour policy, before the update, with Categorical."""
+
+    def __init__(self) -> None:
+        self.flow: dict[int, float] = {}
+        self.cov: dict[int, float] = {}
+
+    def shape_advantages(self, trainer, pl_module, ctx):
+        dist = completion_distribution(pl_module, ctx.batch)
+        probs, entropy = dist.probs, dist.entropy()
+        logp = dist.log_prob(ctx.batch.completion_ids)
+        score = logp.exp() * (logp + entropy)
+        sbar = (probs * probs * (probs.log() + entropy.unsqueeze(-1))).sum(-1)
+        valid = ctx.mask > 0
+        a = ctx.advantages.double()
+        self.flow[ctx.step] = (-a * (score - sbar))[valid].mean().item()
+        lv, av = logp[valid], a[valid]
+        self.cov[ctx.step] = ((lv - lv.mean()) * (av - av.mean())).mean().item()
+
+
+@pytest.mark.parametrize("minibatch_size", [None, 4])  # one on-policy update / two updates after an old pass
+def test_probe_predictions_and_observed_change_match_an_independent_recompute(
+        tiny_model_dir, memory_logger, tmp_path, minibatch_size):
+    batch = frozen_rollout(tiny_model_dir)
+    batch.correct = batch.rewards > 0.5
+    before, probe, observed = PredictionBeforeUpdate(), EntropyChangeProbe(sample_rows=None, window=3), ObservedChange()
+    module = RLVRModule(model=tiny_model_dir, learning_rate=1e-2, minibatch_size=minibatch_size)
+    updates = 1 if minibatch_size is None else -(-len(batch) // minibatch_size)
+    fit = trainer(4 * updates, callbacks=[before, STEER(omega="exact"), probe, observed], logger=memory_logger)
+    fit.fit(module, fixed(batch))
+    h = memory_logger.history
+    steps = sorted(h["probe/flow_pred"])  # max_steps counts optimizer steps
+    assert steps == list(range(4))
+    for s in steps:
+        assert h["probe/flow_pred"][s] == pytest.approx(before.flow[s], rel=1e-4, abs=1e-7)
+        assert h["probe/cov_pred"][s] == pytest.approx(before.cov[s], rel=1e-4, abs=1e-7)
+        assert h["probe/observed"][s] == pytest.approx(observed.changes[s], rel=1e-4, abs=1e-6)
+        assert observed.changes[s] != 0 and h["probe/seconds"][s] > 0
+        assert 0.8 - 1e-6 <= h["steer/weight_min"][s] <= h["steer/weight_mean"][s] <= h["steer/weight_max"][s] <= 1
+    for key in ("probe/window/sign_agreement_flow", "probe/window/spearman_cov", "probe/window/eta_eff",
+                "probe/successful/observed", "probe/window/failed/pearson", "probe/token_sign_agreement"):
+        assert key in h, key
+    last_window = steps[-3:]
+    negative = sum(h["probe/observed"][s] < 0 for s in last_window) / len(last_window)
+    assert h["probe/window/observed_negative_share"][steps[-1]] == pytest.approx(negative)
+    agree = sum((h["probe/flow_pred"][s] > 0) == (h["probe/observed"][s] > 0) for s in steps) / len(steps)
+    assert h["probe/run/sign_agreement_flow"][steps[-1]] == pytest.approx(agree)
+    fit.save_checkpoint(tmp_path / "last.ckpt")
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"][probe.state_key]
+    assert state["run_steps"] == len(steps) and len(state["history"]["flow"]) == min(3, len(steps))
+    resumed = EntropyChangeProbe(sample_rows=None, window=3)
+    resumed.load_state_dict(state)
+    assert resumed.history == probe.history and resumed.run_flow_agree == probe.run_flow_agree
+
+
+def test_probe_on_a_row_subsample_and_every_n_steps(tiny_model_dir, memory_logger):
+    batch = frozen_rollout(tiny_model_dir)
+    batch.correct = batch.rewards > 0.5
+    probe = EntropyChangeProbe(sample_rows=3, every_n_steps=2)
+    assert probe._rows(len(batch), torch.device("cpu")).tolist() == [0, (len(batch) - 1) // 2 + (len(batch) - 1) % 2,
+                                                                     len(batch) - 1]
+    fit = trainer(4, callbacks=[probe], logger=memory_logger)
+    fit.fit(RLVRModule(model=tiny_model_dir, learning_rate=1e-2), fixed(batch))
+    assert sorted(memory_logger.history["probe/observed"]) == [0, 2]
+
+
+def test_invalid_probe_arguments_are_rejected():
+    for kwargs in ({"every_n_steps": 0}, {"sample_rows": 0}, {"window": 1}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            EntropyChangeProbe(**kwargs)
