@@ -9,7 +9,9 @@ only observes, so both runs must end with the same held-out accuracy (checked an
     python benchmarks/entropy_change.py --steps 600 --probe-every 5
 
 Prints: the share of measured steps where the sign of the predicted change matches the observed one,
-for the first-order flow (E3) and the covariance (2505.22617), over the whole run and in thirds of it;
+for the first-order flow (E3) and the covariance (2505.22617), over the whole run and in thirds of it, with
+the score of a constant "entropy goes down" forecast as the bar, and the same over sums of ``--block``
+consecutive steps (a checkpoint-to-checkpoint view);
 Pearson / Spearman correlation of each prediction with the observed change over all measured steps; the
 fitted effective step size; the same sign agreement within successful and within failed responses; the
 token-level sign agreement; and the probe's cost: seconds per measured step (its own timer) and the
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--probe-every", type=int, default=1)
     parser.add_argument("--sample-rows", type=int, default=64, help="rows recomputed after each measured update")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block", type=int, default=50, help="measured steps per block (checkpoint-to-checkpoint view)")
     args = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -82,6 +85,18 @@ def main() -> None:
         print(f"{name:<12} sign agreement {sign_agreement(predicted, observed):.3f} (thirds: {parts}), "
               f"Pearson {pearson(predicted, observed):.3f}, Spearman {spearman(predicted, observed):.3f}")
     print(f"a constant 'entropy goes down' forecast: sign agreement {(observed < 0).double().mean():.3f}")
+    # Checkpoint-to-checkpoint granularity (2505.22617 / the RCEA paper compare adjacent checkpoints): sums over
+    # consecutive blocks of measured steps.
+    blocks = len(steps) // args.block
+    if blocks >= 2:
+        def block_sums(values: torch.Tensor) -> torch.Tensor:
+            return values[: blocks * args.block].reshape(blocks, args.block).sum(-1)
+
+        seen = block_sums(observed)
+        print(f"over {blocks} blocks of {args.block} measured steps: sign agreement flow "
+              f"{sign_agreement(block_sums(flow), seen):.3f}, -covariance {sign_agreement(block_sums(cov), seen):.3f}, "
+              f"constant 'down' {(seen < 0).double().mean():.3f}; Pearson flow {pearson(block_sums(flow), seen):.3f}, "
+              f"-covariance {pearson(block_sums(cov), seen):.3f}")
     print(f"fitted effective step size (observed ≈ η·flow): {fitted_step_size(flow, observed):.3g}; "
           f"observed change mean {observed.mean().item():.2e}")
     for polarity in ("successful", "failed"):
@@ -89,8 +104,11 @@ def main() -> None:
         p, o = series(h, f"probe/{polarity}/flow_pred", keep), series(h, f"probe/{polarity}/observed", keep)
         print(f"{polarity:<10} responses: flow sign agreement {sign_agreement(p, o):.3f}, Pearson {pearson(p, o):.3f}, "
               f"mean observed {o.mean().item():.2e} ({len(keep)} steps)")
-    token = statistics.fmean(h["probe/token_sign_agreement"][s] for s in steps)
-    token_r = statistics.fmean(h["probe/token_pearson"][s] for s in steps if math.isfinite(h["probe/token_pearson"][s]))
+    def finite_mean(key: str) -> float:  # nan on steps where every group had zero advantage
+        values = [v for v in (h[key][s] for s in steps) if math.isfinite(v)]
+        return statistics.fmean(values) if values else math.nan
+
+    token, token_r = finite_mean("probe/token_sign_agreement"), finite_mean("probe/token_pearson")
     print(f"token level (tokens with a nonzero prediction): sign agreement {token:.3f}, Pearson {token_r:.3f} "
           f"(mean over steps)")
     own = statistics.fmean(h["probe/seconds"][s] for s in steps)

@@ -88,6 +88,9 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, object]:
         "pass_at_k": logger.history["val/pass_at_k"][max(accuracy)],
         "seconds": time.perf_counter() - start,
         "first_below_0.1": next((s for s in sorted(entropy) if window(s + 1) < 0.1 and s >= 19), None),
+        # a token-weighting method also scales the step: its mean weight says by how much
+        "mean_weight": statistics.fmean(logger.history["steer/weight_mean"].values())
+        if "steer/weight_mean" in logger.history else None,
     }
 
 
@@ -109,7 +112,14 @@ def main() -> None:
     args.report = [s for s in args.report if s <= args.steps]
     torch.set_num_threads(min(2, torch.get_num_threads()))
 
-    results: dict[str, list[dict]] = {m: [run(m, seed, args) for seed in args.seeds] for m in args.methods}
+    results: dict[str, list[dict]] = {m: [] for m in args.methods}
+    for method in args.methods:
+        for seed in args.seeds:
+            r = run(method, seed, args)
+            results[method].append(r)
+            print(f"{method} seed {seed}: H@{args.report[-1]} {r['entropy'][args.report[-1]]:.3f}, "
+                  f"held-out {r['accuracy']:.3f}, pass@8 {r['pass_at_k']:.3f}"
+                  + (f", mean token weight {r['mean_weight']:.3f}" if r["mean_weight"] is not None else ""), flush=True)
     print(f"\nlr {args.lr}, {args.steps} rollout steps, minibatch {args.minibatch_size}, seeds {args.seeds}")
     header = " ".join(f"H@{s:<5}" for s in args.report)
     print(f"{'method':<17} {header} reward  held-out  pass@8  H<0.1 at  vs GRPO: H@{args.report[-1]}  acc   s/run")

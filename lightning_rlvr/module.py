@@ -396,6 +396,7 @@ class RLVRModule(pl.LightningModule):
                 sums["grad_norm"] += grad_norm.item()
 
         ctx.old_logprobs, ctx.old_entropy, ctx.old_sbar = logprobs_seen, entropy, sbar_seen
+        ctx.updates_applied = applied
         for cb in interventions:
             cb.on_update_end(self.trainer, self, ctx)
         metrics = self._step_metrics(rollout, entropy, sums, applied, skipped, n_updates)

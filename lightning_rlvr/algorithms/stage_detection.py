@@ -169,6 +169,8 @@ class OnlineStageDetector:
         rewards = np.asarray(self.rewards, dtype=np.float64)
         before, se_before = linear_slope_with_error(rewards[: fit.tau])
         after, se_after = linear_slope_with_error(rewards[fit.tau :])
+        if self.reward_confidence == 0:  # point estimates (also where a 2-point segment has no error)
+            se_before = se_after = 0.0
         z = self.reward_confidence
         return before - z * se_before > 0 and after + z * se_after <= self.reward_flatness * before
 

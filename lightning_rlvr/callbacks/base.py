@@ -111,6 +111,9 @@ class StepContext:
         ref_logprobs: ``(N, T)`` reference log-probs when a KL term or a callback needs them.
         step: rollout step (the logger's step).
         aggregation: the module's loss aggregation mode.
+        updates_applied: optimizer steps of this rollout that were applied (non-finite ones are skipped;
+            on a skipped single on-policy update the old-policy tensors are only partly filled); set
+            before ``on_update_end`` (``None`` in contexts built by hand).
     """
 
     batch: RolloutBatch
@@ -122,6 +125,7 @@ class StepContext:
     ref_logprobs: Tensor | None = None
     step: int = 0
     aggregation: str = "token-mean"
+    updates_applied: int | None = None
     metrics: _MetricSink = field(default_factory=_MetricSink)
 
     def log(self, name: str, value: float | Tensor) -> None:

@@ -1,10 +1,11 @@
 """EntropyChangeProbe: does first-order theory predict the entropy change each update causes?
 
 A diagnostic (it changes nothing in training). On every ``every_n_steps``-th rollout step it compares,
-on the same tokens, two predictions of the step's entropy change with the change that happened:
+on the same tokens (the valid tokens of ``sample_rows`` rows), two predictions of the step's entropy change
+with the change that happened:
 
-- **covariance** (Cui et al., arXiv 2505.22617, Theorem 2): ``ΔH ∝ −Cov(log π_old, A)`` over the batch's
-  valid tokens (``probe/cov_pred`` is the covariance itself; its prediction is ``−cov_pred``);
+- **covariance** (Cui et al., arXiv 2505.22617, Theorem 2): ``ΔH ∝ −Cov(log π_old, A)`` over those tokens
+  (``probe/cov_pred`` is the covariance itself; its prediction is ``−cov_pred``);
 - **flow** (ALGORITHMS.md §2.2, E3; arXiv 2510.10150 / 2602.03392): the token-mean of
   ``c_t = −A_t (S(a_t) − S̄_t)``, ``S(a) = π_a(log π_a + H)``, ``S̄ = Σ_j π_j S(j)``, at the behaviour policy
   where the step starts (``r = 1``, no clip active), in units of the step size;
@@ -106,8 +107,8 @@ class EntropyChangeProbe(Intervention):
 
     @override
     def on_update_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> None:
-        if ctx.step % self.every_n_steps or ctx.old_sbar is None:
-            return
+        if ctx.step % self.every_n_steps or ctx.old_sbar is None or ctx.updates_applied == 0:
+            return  # nothing changed (every update skipped as non-finite): nothing to compare
         start = time.perf_counter()
         rows = self._rows(len(ctx.batch), ctx.mask.device)
         batch = ctx.batch.select(rows)

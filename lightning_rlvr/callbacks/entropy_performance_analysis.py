@@ -125,7 +125,7 @@ class EntropyPerformanceAnalysis(Intervention):
         ppl = ppl.unsqueeze(-1).expand_as(mask)
         self._log_buckets(ctx, "entropy_by_position", self.position, ctx.old_entropy, positions, mask)
         self._log_buckets(ctx, "entropy_by_ppl", self.perplexity, ctx.old_entropy, ppl, mask)
-        if not self.measure_change:
+        if not self.measure_change or ctx.updates_applied == 0:  # no update applied: no change to measure
             return
         rows = torch.arange(min(self.change_rows or len(ctx.batch), len(ctx.batch)), device=mask.device)
         after = pl_module.recompute_token_stats(ctx.batch.select(rows)).entropy

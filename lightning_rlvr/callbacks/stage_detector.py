@@ -80,9 +80,11 @@ class StageDetector(Intervention):
     @override
     def state_key(self) -> str:
         d = self.detector
+        # reward_confidence joined the arguments later: at its default the key stays the one older
+        # checkpoints were saved under.
+        extra = {} if d.reward_confidence == 2.0 else {"reward_confidence": d.reward_confidence}
         return self._state_key(min_segment=d.min_segment, flatness=d.flatness, min_drop=d.min_drop,
-                               patience=d.patience, reward_flatness=d.reward_flatness,
-                               reward_confidence=d.reward_confidence)
+                               patience=d.patience, reward_flatness=d.reward_flatness, **extra)
 
     @property
     def plateau(self) -> bool:

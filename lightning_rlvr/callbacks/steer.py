@@ -17,9 +17,10 @@ the number of GPUs). Reference semantics (``zz-haooo/STEER``, ``compute_token_we
 ``π`` against the first-order change; see :mod:`lightning_rlvr.algorithms.entropy_change`). The paper's main
 runs use exp mode with ``λ_min = 0.8``, clip 0.2/0.28 and dual-clip ``c = 10`` (set those on the module).
 
-Metrics: ``steer/weight_mean``, ``steer/weight_min``, ``steer/weight_max`` (valid tokens, all ranks),
-``steer/omega_abs_max``, and ``steer/clipfrac_high`` (``A > 0`` and ``r > 1 + ε_high``) /
-``steer/clipfrac_low`` (``A < 0`` and ``r < 1 − ε_low``) of the tokens it weighs.
+Metrics (each over a micro-batch's valid tokens on all ranks, averaged over the step's micro-batches):
+``steer/weight_mean``, ``steer/weight_min``, ``steer/weight_max``, ``steer/omega_abs_max``, and
+``steer/clipfrac_high`` (``A > 0`` and ``r > 1 + ε_high``) / ``steer/clipfrac_low`` (``A < 0`` and
+``r < 1 − ε_low``) of the tokens it weighs.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ class STEER(Intervention):
         # Extremes over the valid tokens of every rank (±inf where a rank has none: neutral for max).
         highest = all_max(torch.where(valid, magnitude, -torch.inf).amax() if valid.any()
                           else magnitude.new_tensor(-torch.inf))
-        lowest = -all_max(-(torch.where(valid, magnitude, torch.inf).amin() if valid.any()
-                            else magnitude.new_tensor(torch.inf)))
+        lowest = 0.0  # exp mode needs only the maximum
+        if self.mode == "linear":
+            lowest = -all_max(-(torch.where(valid, magnitude, torch.inf).amin() if valid.any()
+                                else magnitude.new_tensor(torch.inf)))
         if not torch.isfinite(highest):  # no valid token anywhere: nothing to weigh
             return torch.ones_like(ctx.mask)
         weights = steer_weights(magnitude, lowest, highest, self.mode, self.w_min, self.w_max, self.omega_floor)

@@ -60,8 +60,8 @@ def _chunk_forward(u: Tensor, labels: Tensor, with_sbar: bool) -> tuple[Tensor, 
     p_log_p = p * log_p
     entropy = -p_log_p.sum(-1)
     sbar = None
-    if with_sbar:  # Σ p² log p + H Σ p², from the chunk's p and p·log p already in memory
-        sbar = (p * p_log_p).sum(-1) + entropy * (p * p).sum(-1)
+    if with_sbar:  # Σ p² log p + H Σ p², in place on the chunk's buffers (no further (chunk, V) temporaries)
+        sbar = p_log_p.mul_(p).sum(-1) + entropy * p.square_().sum(-1)
     return logp_label, entropy, lse, sbar
 
 

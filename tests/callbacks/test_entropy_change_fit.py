@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from lightning_rlvr import RLVRModule
 from lightning_rlvr.callbacks import STEER, EntropyChangeProbe, Intervention
 from test_module import trainer
 
+from .helpers import step_context
 from .test_protocol import fixed, frozen_rollout
 from .test_stage_aware_fit import ObservedChange
 
@@ -76,12 +79,42 @@ def test_probe_predictions_and_observed_change_match_an_independent_recompute(
     assert resumed.history == probe.history and resumed.run_flow_agree == probe.run_flow_agree
 
 
+class SteerReferenceCheck(Intervention):
+    """After STEER in the list: its weights against the reference rule from an independent old-policy entropy."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+
+    def shape_advantages(self, trainer, pl_module, ctx):
+        self.old_entropy = completion_distribution(pl_module, ctx.batch).entropy().float()
+
+    def token_weights(self, trainer, pl_module, mctx):
+        x = mctx.logprobs.detach().exp().clamp(1e-8, 1 - 1e-8)
+        old_p = mctx.old_logprobs.exp().clamp(1e-8, 1.0)
+        omega = (mctx.advantages / old_p * x * (1 - x) * (x.log() + self.old_entropy[mctx.index])).abs()
+        valid = mctx.mask > 0
+        k = -math.log(0.8) / max(omega[valid].max().item(), 0.02)
+        expected = torch.where(valid, torch.exp(-k * omega).clamp(0.8, 1.0), torch.zeros_like(omega))
+        torch.testing.assert_close(mctx.weights, expected, rtol=1e-4, atol=1e-5)
+        self.checked += 1
+
+
+@pytest.mark.parametrize("minibatch_size", [None, 4])
+def test_steer_reference_omega_uses_the_behaviour_entropy_in_a_fit(tiny_model_dir, minibatch_size):
+    batch = frozen_rollout(tiny_model_dir)
+    check = SteerReferenceCheck()
+    module = RLVRModule(model=tiny_model_dir, learning_rate=1e-2, minibatch_size=minibatch_size)
+    trainer(3, callbacks=[STEER(), check]).fit(module, fixed(batch))
+    assert check.checked >= 3
+
+
 def test_probe_on_a_row_subsample_and_every_n_steps(tiny_model_dir, memory_logger):
     batch = frozen_rollout(tiny_model_dir)
     batch.correct = batch.rewards > 0.5
     probe = EntropyChangeProbe(sample_rows=3, every_n_steps=2)
-    assert probe._rows(len(batch), torch.device("cpu")).tolist() == [0, (len(batch) - 1) // 2 + (len(batch) - 1) % 2,
-                                                                     len(batch) - 1]
+    rows = probe._rows(len(batch), torch.device("cpu")).tolist()
+    assert len(rows) == 3 and rows[0] == 0 and rows[-1] == len(batch) - 1 and abs(rows[1] - (len(batch) - 1) / 2) <= 0.5
+    assert probe._rows(5, torch.device("cpu")).tolist() == [0, 2, 4]
     fit = trainer(4, callbacks=[probe], logger=memory_logger)
     fit.fit(RLVRModule(model=tiny_model_dir, learning_rate=1e-2), fixed(batch))
     assert sorted(memory_logger.history["probe/observed"]) == [0, 2]
@@ -91,3 +124,11 @@ def test_invalid_probe_arguments_are_rejected():
     for kwargs in ({"every_n_steps": 0}, {"sample_rows": 0}, {"window": 1}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             EntropyChangeProbe(**kwargs)
+
+
+def test_probe_skips_a_step_whose_updates_were_all_skipped():
+    step = step_context([1.0, 0.0], [[1, 1], [1, 0]], advantages=[1.0, -1.0], old_logprobs=torch.zeros(2, 2),
+                        old_entropy=torch.zeros(2, 2))
+    step.old_sbar, step.updates_applied = torch.zeros(2, 2), 0
+    EntropyChangeProbe().on_update_end(None, None, step)  # would need pl_module to recompute: it must not
+    assert step.metrics.means() == {}

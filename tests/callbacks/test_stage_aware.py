@@ -167,3 +167,9 @@ def test_ppl_helpers_agree_with_the_callback_inputs():
     torch.testing.assert_close(response_log_perplexity(ctx.old_logprobs, ctx.mask), nll)
     z, _ = group_iqr_zscores(nll, ctx.batch.group_ids)
     assert z[4:].abs().max() == 0
+
+
+def test_detector_state_key_is_unchanged_at_the_default_reward_confidence():
+    """Checkpoints saved before reward_confidence existed still find the detector's state."""
+    assert "reward_confidence" not in StageDetector().state_key
+    assert StageDetector(reward_confidence=1.0).state_key != StageDetector().state_key
