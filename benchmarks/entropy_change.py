@@ -28,10 +28,12 @@ import time
 import lightning.pytorch as pl
 import torch
 
-from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+from lightning_rlvr import RLVRModule
 from lightning_rlvr.callbacks import EntropyChangeProbe, SupervisedWarmStart
 from lightning_rlvr.loggers import InMemoryLogger
 from lightning_rlvr.metrics.entropy_change import fitted_step_size, pearson, sign_agreement, spearman
+
+from _setting import addition_data, quiet_trainer  # benchmarks/_setting.py (the script's folder is on sys.path)
 
 
 def run(args: argparse.Namespace, probe: bool) -> tuple[dict, float, float]:
@@ -40,17 +42,8 @@ def run(args: argparse.Namespace, probe: bool) -> tuple[dict, float, float]:
     callbacks = [SupervisedWarmStart(steps=200, batch_size=64, learning_rate=1e-3)]
     if probe:
         callbacks.append(EntropyChangeProbe(every_n_steps=args.probe_every, sample_rows=args.sample_rows))
-    data = RolloutDataModule(
-        source=BuiltinTask("addition", max_operand=49, held_out_fraction=0.15, warm_start_fraction=0.05),
-        prompts_per_step=16, group_size=8, max_new_tokens=4, val_samples=8, val_k=8,
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=args.steps, logger=logger, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        check_val_every_n_epoch=None, val_check_interval=args.steps, num_sanity_val_steps=0, callbacks=callbacks,
-    )
     start = time.perf_counter()
-    trainer.fit(RLVRModule(learning_rate=3e-4), data)
+    quiet_trainer(args.steps, args.steps, logger, callbacks).fit(RLVRModule(learning_rate=3e-4), addition_data())
     seconds = time.perf_counter() - start
     accuracy = logger.history["val/accuracy"]
     return logger.history, seconds, accuracy[max(accuracy)]

@@ -27,7 +27,7 @@ import time
 import lightning.pytorch as pl
 import torch
 
-from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+from lightning_rlvr import RLVRModule
 from lightning_rlvr.callbacks import (
     GTPO,
     STEER,
@@ -39,6 +39,8 @@ from lightning_rlvr.callbacks import (
     TopEntropyTokens,
 )
 from lightning_rlvr.loggers import InMemoryLogger
+
+from _setting import addition_data, quiet_trainer  # benchmarks/_setting.py (the script's folder is on sys.path)
 
 # The interventions, with settings for this task (the reference defaults touch ~0 tokens of a
 # 128-completion batch of 2-3 token answers: 2e-4 × 400 tokens < 1).
@@ -59,20 +61,11 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, object]:
     pl.seed_everything(seed, verbose=False)
     logger = InMemoryLogger()
     module = RLVRModule(learning_rate=args.lr, minibatch_size=args.minibatch_size, max_grad_norm=args.max_grad_norm)
-    data = RolloutDataModule(
-        source=BuiltinTask("addition", max_operand=49, held_out_fraction=0.15,
-                           warm_start_fraction=args.warm_start_fraction),
-        prompts_per_step=16, group_size=8, max_new_tokens=4, val_samples=8, val_k=8,
-    )
     updates = -(-128 // args.minibatch_size) if args.minibatch_size else 1
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=args.steps * updates, logger=logger, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        check_val_every_n_epoch=None, val_check_interval=args.steps, num_sanity_val_steps=0,
-        callbacks=[SupervisedWarmStart(steps=args.warm_start_steps), *METHODS[method]()],
-    )
+    trainer = quiet_trainer(args.steps * updates, args.steps, logger,
+                            [SupervisedWarmStart(steps=args.warm_start_steps), *METHODS[method]()])
     start = time.perf_counter()
-    trainer.fit(module, data)
+    trainer.fit(module, addition_data(args.warm_start_fraction))
     entropy = logger.history["entropy/token_mean"]
     reward = logger.history["reward/mean"]
 

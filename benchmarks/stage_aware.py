@@ -29,7 +29,7 @@ import time
 import lightning.pytorch as pl
 import torch
 
-from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+from lightning_rlvr import RLVRModule
 from lightning_rlvr.callbacks import (
     EntropyPerformanceAnalysis,
     PerplexityShaping,
@@ -38,6 +38,8 @@ from lightning_rlvr.callbacks import (
     SupervisedWarmStart,
 )
 from lightning_rlvr.loggers import InMemoryLogger
+
+from _setting import addition_data, quiet_trainer  # benchmarks/_setting.py (the script's folder is on sys.path)
 
 METHODS = {
     "grpo": lambda: [],
@@ -56,20 +58,10 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, float]:
     pl.seed_everything(seed, verbose=False)
     logger = InMemoryLogger()
     detector = StageDetector()
-    module = RLVRModule(learning_rate=3e-4)
-    data = RolloutDataModule(
-        source=BuiltinTask("addition", max_operand=49, held_out_fraction=0.15, warm_start_fraction=0.05),
-        prompts_per_step=16, group_size=8, max_new_tokens=4, val_samples=8, val_k=8,
-    )
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=args.steps, logger=logger, log_every_n_steps=1,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        check_val_every_n_epoch=None, val_check_interval=args.steps, num_sanity_val_steps=0,
-        callbacks=[SupervisedWarmStart(steps=200, batch_size=64, learning_rate=1e-3), detector,
-                   *METHODS[method](), EntropyPerformanceAnalysis(every_n_steps=args.analysis_every)],
-    )
+    callbacks = [SupervisedWarmStart(steps=200, batch_size=64, learning_rate=1e-3), detector,
+                 *METHODS[method](), EntropyPerformanceAnalysis(every_n_steps=args.analysis_every)]
     start = time.perf_counter()
-    trainer.fit(module, data)
+    quiet_trainer(args.steps, args.steps, logger, callbacks).fit(RLVRModule(learning_rate=3e-4), addition_data())
     h = logger.history
     last = args.steps - 1
     split = detector.transition_step if detector.transition_step is not None else args.steps
