@@ -41,8 +41,10 @@ from torch import Tensor
 __all__ = [
     "OmegaMode",
     "WeightMode",
+    "balancing_coefficient",
     "first_order_entropy_change",
     "predicted_entropy_flow",
+    "sampled_logit_flow",
     "sampled_token_score",
     "steer_omega",
     "steer_weights",
@@ -88,6 +90,38 @@ def predicted_entropy_flow(
     if clipped is not None:
         flow = torch.where(clipped, torch.zeros_like(flow), flow)
     return flow
+
+
+def sampled_logit_flow(
+    advantages: Tensor,
+    logprobs: Tensor,
+    entropy: Tensor,
+    ratio: Tensor | None = None,
+    clipped: Tensor | None = None,
+) -> Tensor:
+    """The "only ``z_a`` moves" estimate ``−A r π_a(1 − π_a)(log π_a + H)`` (units of ``η``; see the module doc).
+
+    Wrong for rare tokens (E3 is the exact first-order change); kept because papers use it (OPEFO's Eq. 6 is
+    likely this simplification).
+    """
+    pi = logprobs.exp()
+    flow = -advantages * pi * (1 - pi) * (logprobs + entropy)
+    if ratio is not None:
+        flow = flow * ratio
+    if clipped is not None:
+        flow = torch.where(clipped, torch.zeros_like(flow), flow)
+    return flow
+
+
+def balancing_coefficient(flow_up: Tensor | float, flow_down: Tensor | float) -> float:
+    """OPEFO's ``λ* = (F₋ − F₊)/(F₋ + F₊)``: weights ``1 + λ*`` on entropy-raising and ``1 − λ*`` on lowering
+    tokens give zero net predicted flow, ``(1 + λ*)F₊ − (1 − λ*)F₋ = 0`` (0 when both totals are 0).
+
+    Args:
+        flow_up: ``F₊ = Σ_{c>0} c``. flow_down: ``F₋ = Σ_{c<0} |c|``.
+    """
+    up, down = float(flow_up), float(flow_down)
+    return (down - up) / (down + up) if down + up > 0 else 0.0
 
 
 def steer_omega(

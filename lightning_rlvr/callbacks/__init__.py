@@ -8,6 +8,7 @@ from lightning_rlvr.callbacks.entropy_change_probe import EntropyChangeProbe
 from lightning_rlvr.callbacks.entropy_performance_analysis import EntropyPerformanceAnalysis
 from lightning_rlvr.callbacks.gtpo import GTPO
 from lightning_rlvr.callbacks.kl_cov import KLCov
+from lightning_rlvr.callbacks.opefo import OPEFO
 from lightning_rlvr.callbacks.perplexity_shaping import PerplexityShaping
 from lightning_rlvr.callbacks.position_shaping import PositionShaping
 from lightning_rlvr.callbacks.stage_detector import StageDetector
@@ -18,6 +19,7 @@ from lightning_rlvr.callbacks.warm_start import SupervisedWarmStart
 
 __all__ = [
     "GTPO",
+    "OPEFO",
     "STEER",
     "ActivationGate",
     "AdaptiveEntropy",

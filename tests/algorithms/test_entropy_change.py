@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from lightning_rlvr.algorithms.entropy_change import (
+    balancing_coefficient,
     first_order_entropy_change,
     predicted_entropy_flow,
+    sampled_logit_flow,
     sampled_token_score,
     steer_omega,
     steer_weights,
@@ -96,6 +98,26 @@ def test_only_the_sampled_logit_shortcut_is_wrong_for_rare_tokens():
     for token in between:
         observed, only_za, exact = only_za_and_exact(logits, token)
         assert observed > 0 and exact == pytest.approx(observed, rel=1e-4) and only_za < 0
+
+
+def test_sampled_logit_flow_is_the_first_order_change_when_only_the_sampled_logit_moves():
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 2
+    token, advantage, ratio = int(torch.argsort(logits)[-3]), -0.9, 1.2
+    logp, entropy, _ = stats(logits, token)
+    step = torch.zeros(VOCAB, dtype=torch.float64)
+    step[token] = advantage * ratio * (1 - logp.exp())  # the a-th component of A r (e_a − π)
+    observed = (entropy_of(logits + ETA * step) - entropy_of(logits - ETA * step)) / 2
+    predicted = ETA * sampled_logit_flow(torch.tensor(advantage), logp, entropy, ratio=torch.tensor(ratio))
+    assert predicted.item() == pytest.approx(observed.item(), rel=1e-5)
+
+
+def test_balancing_coefficient_gives_zero_net_flow():
+    flow = torch.tensor([0.3, -0.5, 0.1, -0.25, 0.0])
+    up, down = flow[flow > 0].sum().item(), -flow[flow < 0].sum().item()
+    lam = balancing_coefficient(up, down)
+    assert lam == pytest.approx((0.75 - 0.4) / (0.75 + 0.4))
+    assert (1 + lam) * up - (1 - lam) * down == pytest.approx(0.0, abs=1e-12)
+    assert balancing_coefficient(0.0, 0.0) == 0.0 and balancing_coefficient(1.0, 0.0) == -1.0
 
 
 def test_sbar_is_a_nonnegative_covariance_and_the_centred_score_has_zero_mean():

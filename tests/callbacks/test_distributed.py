@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_rlvr.callbacks import STEER, ClipCov, KLCov, PositionShaping, TopEntropyTokens
+from lightning_rlvr.callbacks import OPEFO, STEER, ClipCov, KLCov, PositionShaping, TopEntropyTokens
 from lightning_rlvr.distributed import all_max, all_sum, gather_cat
 from lightning_rlvr.metrics.entropy_analysis import BucketedMean, position_buckets, rank_buckets
 
@@ -51,12 +51,15 @@ def stage_outputs(rows):
 
 
 def steer_outputs(rows):
-    """STEER weights in both modes (extremes of |Ω| over all ranks) and the exp mode's logged metrics."""
+    """STEER weights in both modes (extremes of |Ω| over all ranks), OPEFO weights (λ* from all ranks), their metrics."""
     mask, adv, logp, old, entropy = case()
     step = step_context([0.0] * len(rows), mask[rows], advantages=adv[rows])
     ctx = micro_context(step, logp[rows], old[rows], entropy=entropy[rows])
     weights = [STEER(mode=mode).token_weights(None, None, ctx) for mode in ("exp", "linear")]
-    return weights, {k: v for k, v in step.metrics.means().items() if k.startswith("steer/")}
+    sbar = 0.05 * entropy[rows] / 3
+    flow_ctx = micro_context(step, logp[rows], old[rows], entropy=entropy[rows], sbar=sbar)
+    weights.append(OPEFO(strict_on_policy=False).token_weights(None, None, flow_ctx))  # λ* from all ranks' flows
+    return weights, {k: v for k, v in step.metrics.means().items() if k.startswith(("steer/", "opefo/"))}
 
 
 def worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -100,7 +103,8 @@ def test_two_ranks_select_the_same_tokens_as_one_process_on_the_whole_batch(tmp_
         torch.testing.assert_close(result["max_adv"], max_adv)
 
     steer, steer_metrics = steer_outputs(torch.arange(8))
-    for mode in range(2):
+    assert (steer[2] != 1).any()
+    for mode in range(3):
         torch.testing.assert_close(torch.cat([r["steer"][mode] for r in ranks]), steer[mode])
     for result in ranks:  # the metrics (mean, min, max, clip fractions) are those of the whole batch
         assert result["steer_metrics"].keys() == steer_metrics.keys()
