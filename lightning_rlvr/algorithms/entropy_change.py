@@ -84,12 +84,7 @@ def predicted_entropy_flow(
         ratio: ``r = π/π_old`` (``None``: 1, the behaviour policy's own first step).
         clipped: boolean, tokens whose gradient the PPO clip cuts off (their ``c_t`` is 0).
     """
-    flow = -advantages * (sampled_token_score(logprobs, entropy) - sbar)
-    if ratio is not None:
-        flow = flow * ratio
-    if clipped is not None:
-        flow = torch.where(clipped, torch.zeros_like(flow), flow)
-    return flow
+    return _scaled_and_unclipped(-advantages * (sampled_token_score(logprobs, entropy) - sbar), ratio, clipped)
 
 
 def sampled_logit_flow(
@@ -105,7 +100,11 @@ def sampled_logit_flow(
     likely this simplification).
     """
     pi = logprobs.exp()
-    flow = -advantages * pi * (1 - pi) * (logprobs + entropy)
+    return _scaled_and_unclipped(-advantages * pi * (1 - pi) * (logprobs + entropy), ratio, clipped)
+
+
+def _scaled_and_unclipped(flow: Tensor, ratio: Tensor | None, clipped: Tensor | None) -> Tensor:
+    """The flow of the ratio-weighted surrogate (``× r``), zero where the PPO clip cuts the gradient."""
     if ratio is not None:
         flow = flow * ratio
     if clipped is not None:
