@@ -226,7 +226,7 @@ class RLVRModule(pl.LightningModule):
     # -- per-token statistics ------------------------------------------------------------------------------
     def token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool = False,
                     with_sbar: bool = False) -> TokenStats:
-        """Log-probs and entropy (and ``S̄``) of ``batch``'s completion tokens under ``model`` at the sampling temperature."""
+        """Log-probs, entropy (and ``S̄``) of ``batch``'s completion tokens under ``model`` at the sampling temperature."""
         width = batch.completion_ids.shape[1]
         out = model(
             input_ids=batch.input_ids,

@@ -94,7 +94,7 @@ def sampled_logit_flow(
     ratio: Tensor | None = None,
     clipped: Tensor | None = None,
 ) -> Tensor:
-    """The "only ``z_a`` moves" estimate ``−A r π_a(1 − π_a)(log π_a + H)`` (units of ``η``; see the module doc).
+    """The "only ``z_a`` moves" estimate ``−A r π_a(1 − π_a)(log π_a + H)`` (units of ``η``; module doc).
 
     Wrong for rare tokens (E3 is the exact first-order change); kept because papers use it (OPEFO's Eq. 6 is
     likely this simplification).
@@ -113,8 +113,10 @@ def _scaled_and_unclipped(flow: Tensor, ratio: Tensor | None, clipped: Tensor | 
 
 
 def balancing_coefficient(flow_up: Tensor | float, flow_down: Tensor | float) -> float:
-    """OPEFO's ``λ* = (F₋ − F₊)/(F₋ + F₊)``: weights ``1 + λ*`` on entropy-raising and ``1 − λ*`` on lowering
-    tokens give zero net predicted flow, ``(1 + λ*)F₊ − (1 − λ*)F₋ = 0`` (0 when both totals are 0).
+    """OPEFO's ``λ* = (F₋ − F₊)/(F₋ + F₊)`` (0 when both totals are 0).
+
+    Weights ``1 + λ*`` on entropy-raising and ``1 − λ*`` on entropy-lowering tokens give zero net predicted
+    flow, ``(1 + λ*)F₊ − (1 − λ*)F₋ = 0``.
 
     Args:
         flow_up: ``F₊ = Σ_{c>0} c``. flow_down: ``F₋ = Σ_{c<0} |c|``.

@@ -51,7 +51,7 @@ def stage_outputs(rows):
 
 
 def steer_outputs(rows):
-    """STEER weights in both modes (extremes of |Ω| over all ranks), OPEFO weights (λ* from all ranks), their metrics."""
+    """STEER weights in both modes (|Ω| extremes over all ranks), OPEFO weights (λ* over all ranks), metrics."""
     mask, adv, logp, old, entropy = case()
     step = step_context([0.0] * len(rows), mask[rows], advantages=adv[rows])
     ctx = micro_context(step, logp[rows], old[rows], entropy=entropy[rows])
