@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_rlvr import RLVRModule
-from lightning_rlvr.callbacks import OPEFO, SupervisedWarmStart
+from lightning_rlvr.callbacks import EPGRPO, HAPO, OPEFO, PAEC, SupervisedWarmStart
 from lightning_rlvr.loggers import InMemoryLogger
 
 from _setting import addition_data, quiet_trainer  # benchmarks/_setting.py (the script's folder is on sys.path)
@@ -34,19 +34,29 @@ METHODS = {
     "opefo_onlyza": lambda: [OPEFO(flow="onlyza")],
     "opefo_static": lambda: [OPEFO(coefficient="static", static_lambda=1e-3)],
     "opefo_increasing": lambda: [OPEFO(sides="increasing")],
+    "paec": lambda: [PAEC()],  # λ 0.05, floor 0.9 × the first 4 steps' masked entropy
+    "paec_no_mask": lambda: [PAEC(mask="none")],
+    "hapo": lambda: [HAPO()],  # λ 0.5, m_max 3
+    "ep_grpo": lambda: [EPGRPO()],
 }
+
+
+def _finite_mean(values) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.fmean(finite) if finite else math.nan
 
 
 def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, float]:
     pl.seed_everything(seed, verbose=False)
     logger = InMemoryLogger()
-    callbacks = [SupervisedWarmStart(steps=200, batch_size=64, learning_rate=1e-3), *METHODS[method]()]
+    interventions = METHODS[method]()
+    callbacks = [SupervisedWarmStart(steps=200, batch_size=64, learning_rate=1e-3), *interventions]
     start = time.perf_counter()
     quiet_trainer(args.steps, args.steps, logger, callbacks).fit(RLVRModule(learning_rate=3e-4), addition_data())
     h = logger.history
     last = args.steps - 1
-    own = {key: statistics.fmean(v for v in h[key].values() if math.isfinite(v))
-           for key in h if key.startswith(f"{method.split('_')[0]}/")}
+    prefixes = tuple(f"{cb.metric_prefix}/" for cb in interventions)
+    own = {key: _finite_mean(h[key].values()) for key in h if prefixes and key.startswith(prefixes)}
     return {
         "accuracy": h["val/accuracy"][max(h["val/accuracy"])],
         "pass_at_8": h["val/pass_at_k"][max(h["val/pass_at_k"])],
@@ -61,8 +71,9 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["grpo", "opefo"], choices=sorted(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=4500, help="rollout steps")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (results depend on it slightly)")
     args = parser.parse_args()
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
 
     results: dict[str, list[dict]] = {m: [] for m in args.methods}
     for seed in args.seeds:

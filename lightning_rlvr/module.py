@@ -52,7 +52,7 @@ from lightning_rlvr.algorithms.aggregation import AGGREGATION_MODES
 from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, Needs, StepContext
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
-from lightning_rlvr.ops import TokenStats, token_logprobs_and_entropy
+from lightning_rlvr.ops import TokenStats, nucleus_entropy_and_gap, token_logprobs_and_entropy
 
 __all__ = ["RLVRModule"]
 
@@ -225,8 +225,8 @@ class RLVRModule(pl.LightningModule):
 
     # -- per-token statistics ------------------------------------------------------------------------------
     def token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool = False,
-                    with_sbar: bool = False) -> TokenStats:
-        """Log-probs, entropy (and ``S̄``) of ``batch``'s completion tokens under ``model`` at the sampling temperature."""
+                    with_sbar: bool = False, nucleus_top_p: float | None = None) -> TokenStats:
+        """Log-probs, entropy (``S̄``, nucleus stats) of ``batch``'s completion tokens under ``model``, at its temperature."""
         width = batch.completion_ids.shape[1]
         out = model(
             input_ids=batch.input_ids,
@@ -236,10 +236,14 @@ class RLVRModule(pl.LightningModule):
             logits_to_keep=width + 1,  # the lm_head runs only on positions that predict completion tokens
         )
         logits = out.logits[:, -(width + 1) : -1]
-        return token_logprobs_and_entropy(
+        stats = token_logprobs_and_entropy(
             logits, batch.completion_ids, batch.temperature, self.hparams.logprob_chunk_size, entropy_grad=entropy_grad,
             with_sbar=with_sbar,
         )
+        if nucleus_top_p is not None:
+            stats.nucleus_entropy, stats.top2_gap = nucleus_entropy_and_gap(
+                logits, batch.temperature, nucleus_top_p, self.hparams.logprob_chunk_size)
+        return stats
 
     @torch.no_grad()
     def _no_grad_stats(self, model: torch.nn.Module, batch: RolloutBatch, with_sbar: bool = False) -> TokenStats:
@@ -331,7 +335,7 @@ class RLVRModule(pl.LightningModule):
                 for micro_index in mb_index.split(hp.micro_batch_size or len(mb_index)):
                     micro = rollout.select(micro_index)
                     stats = self.token_stats(self.policy, micro, entropy_grad=needs.entropy_grad,
-                                             with_sbar=needs.flow_stats)
+                                             with_sbar=needs.flow_stats, nucleus_top_p=needs.nucleus_top_p)
                     old_logprobs = stats.logprobs.detach() if old is None else old.logprobs[micro_index]
                     # On the single on-policy update the current policy *is* the behaviour policy.
                     old_entropy = stats.entropy.detach() if old is None else old.entropy[micro_index]
@@ -349,7 +353,8 @@ class RLVRModule(pl.LightningModule):
                         mctx = MicroBatchContext(
                             step=ctx, index=micro_index, mask=m, advantages=token_adv[micro_index],
                             logprobs=stats.logprobs, old_logprobs=old_logprobs, entropy=stats.entropy,
-                            old_entropy=old_entropy, sbar=stats.sbar,
+                            old_entropy=old_entropy, sbar=stats.sbar, nucleus_entropy=stats.nucleus_entropy,
+                            top2_gap=stats.top2_gap,
                             ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro_index],
                             policy_loss=pl_out, weights=torch.ones_like(m), aggregate=aggregate,
                         )

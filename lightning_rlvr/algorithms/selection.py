@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["random_subset_mask", "top_fraction_mask", "top_k_mask"]
+__all__ = ["lower_quantile", "random_subset_mask", "top_fraction_mask", "top_k_mask"]
 
 
 def top_k_mask(values: Tensor, k: int) -> Tensor:
@@ -55,3 +55,16 @@ def random_subset_mask(candidates: Tensor, n: int, generator: torch.Generator | 
         perm = torch.randperm(positions.numel(), generator=generator).to(positions.device)
         selected[positions[perm[: min(int(n), positions.numel())]]] = True
     return selected
+
+
+def lower_quantile(values: Tensor, q: float) -> Tensor:
+    """The lower order statistic at ``q`` of a non-empty 1-D ``values``: its ``⌊q (N − 1)⌋ + 1``-th smallest.
+
+    ``torch.quantile(..., interpolation="lower")`` computed with ``kthvalue``: ``torch.quantile`` refuses
+    inputs over 16M elements (all valid tokens of a long-response batch).
+    """
+    if values.dim() != 1 or values.numel() == 0:
+        raise ValueError(f"lower_quantile expects a non-empty 1-D tensor, got shape {tuple(values.shape)}")
+    if not 0 <= q <= 1:
+        raise ValueError(f"lower_quantile: q must be in [0, 1], got {q}")
+    return torch.kthvalue(values, int(q * (values.numel() - 1)) + 1).values

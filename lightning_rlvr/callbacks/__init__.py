@@ -6,9 +6,12 @@ from lightning_rlvr.callbacks.clip_cov import ClipCov
 from lightning_rlvr.callbacks.entropy_bonus import EntropyBonus
 from lightning_rlvr.callbacks.entropy_change_probe import EntropyChangeProbe
 from lightning_rlvr.callbacks.entropy_performance_analysis import EntropyPerformanceAnalysis
+from lightning_rlvr.callbacks.ep_grpo import EPGRPO
 from lightning_rlvr.callbacks.gtpo import GTPO
+from lightning_rlvr.callbacks.hapo import HAPO
 from lightning_rlvr.callbacks.kl_cov import KLCov
 from lightning_rlvr.callbacks.opefo import OPEFO
+from lightning_rlvr.callbacks.paec import PAEC
 from lightning_rlvr.callbacks.perplexity_shaping import PerplexityShaping
 from lightning_rlvr.callbacks.position_shaping import PositionShaping
 from lightning_rlvr.callbacks.stage_detector import StageDetector
@@ -18,8 +21,11 @@ from lightning_rlvr.callbacks.top_entropy_tokens import TopEntropyTokens
 from lightning_rlvr.callbacks.warm_start import SupervisedWarmStart
 
 __all__ = [
+    "EPGRPO",
     "GTPO",
+    "HAPO",
     "OPEFO",
+    "PAEC",
     "STEER",
     "ActivationGate",
     "AdaptiveEntropy",

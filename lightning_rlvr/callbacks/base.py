@@ -69,15 +69,25 @@ class Needs:
         flow_stats: ``S̄ = Σ_j π_j² (log π_j + H)`` (the first-order entropy-change statistic,
             :mod:`lightning_rlvr.algorithms.entropy_change`) of the current policy in ``mctx.sbar`` and of
             the behaviour policy in ``ctx.old_sbar`` — two more reductions in the same vocabulary pass.
+        nucleus_top_p: the ``top_p`` of the current policy's local nucleus entropy and top-two log-prob gap
+            in ``mctx.nucleus_entropy`` / ``mctx.top2_gap``
+            (:func:`~lightning_rlvr.ops.nucleus_entropy_and_gap`, a no-grad ``topk`` pass); ``None`` = not needed.
     """
 
     entropy_grad: bool = False
     old_stats: bool = False
     ref_logprobs: bool = False
     flow_stats: bool = False
+    nucleus_top_p: float | None = None
 
     def __or__(self, other: Needs) -> Needs:
-        return Needs(*(a or b for a, b in zip(vars(self).values(), vars(other).values())))
+        if None not in (self.nucleus_top_p, other.nucleus_top_p) and self.nucleus_top_p != other.nucleus_top_p:
+            raise ValueError(f"two interventions need the nucleus statistics at different top_p "
+                             f"({self.nucleus_top_p} and {other.nucleus_top_p}); use one value")
+        top_p = self.nucleus_top_p if self.nucleus_top_p is not None else other.nucleus_top_p
+        flags = {name: getattr(self, name) or getattr(other, name)
+                 for name in ("entropy_grad", "old_stats", "ref_logprobs", "flow_stats")}
+        return Needs(**flags, nucleus_top_p=top_p)
 
 
 class _MetricSink:
@@ -147,6 +157,8 @@ class MicroBatchContext:
         entropy: ``(b, T)`` current entropy (with gradient only if some callback needs ``entropy_grad``).
         old_entropy: ``(b, T)`` behaviour-policy entropy (detached; the current one on a single on-policy update).
         sbar: ``(b, T)`` current ``S̄`` when some callback needs ``flow_stats``, else ``None``.
+        nucleus_entropy: ``(b, T)`` current local top-p entropy when some callback needs ``nucleus_top_p``.
+        top2_gap: ``(b, T)`` current top-two log-prob gap, same availability.
         ref_logprobs: ``(b, T)`` or ``None``.
         policy_loss: the PPO surrogate's per-token output (loss, ratio, clip indicators).
         weights: ``(b, T)`` product of the ``token_weights`` returned so far (starts at 1).
@@ -169,6 +181,8 @@ class MicroBatchContext:
     extra_losses: dict[str, Tensor] = field(default_factory=dict)
     old_entropy: Tensor | None = None
     sbar: Tensor | None = None
+    nucleus_entropy: Tensor | None = None
+    top2_gap: Tensor | None = None
 
     def log(self, name: str, value: float | Tensor) -> None:
         self.step.log(name, value)

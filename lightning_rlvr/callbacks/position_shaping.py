@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_rlvr.algorithms.selection import lower_quantile
 from lightning_rlvr.algorithms.stage_shaping import position_bonus, rescale_to_mass
 from lightning_rlvr.callbacks.base import Intervention, Needs, StepContext, masked_mean
 from lightning_rlvr.callbacks.stage_gate import ActivationGate, ActiveIn
@@ -100,9 +101,7 @@ class PositionShaping(Intervention):
         entropy, _ = gather_cat(ctx.old_entropy[valid].float())
         if entropy.numel() == 0:
             return ctx.mask
-        # kthvalue, not torch.quantile: the latter refuses inputs over 16M elements (long-response batches).
-        k = int(self.entropy_quantile * (entropy.numel() - 1)) + 1
-        threshold = torch.kthvalue(entropy, k).values
+        threshold = lower_quantile(entropy, self.entropy_quantile)
         selected = (ctx.old_entropy >= threshold) & valid
         ctx.log(self.log_name("selected_fraction"), all_sum(selected.sum()).item() / entropy.numel())
         return selected.to(ctx.mask.dtype)

@@ -1,5 +1,10 @@
-"""Numerical kernels: chunked log-probabilities and entropy."""
+"""Numerical kernels: chunked log-probabilities and entropy, and the local nucleus statistics."""
 
-from lightning_rlvr.ops.logprobs import TokenStats, naive_logprobs_and_entropy, token_logprobs_and_entropy
+from lightning_rlvr.ops.logprobs import (
+    TokenStats,
+    naive_logprobs_and_entropy,
+    nucleus_entropy_and_gap,
+    token_logprobs_and_entropy,
+)
 
-__all__ = ["TokenStats", "naive_logprobs_and_entropy", "token_logprobs_and_entropy"]
+__all__ = ["TokenStats", "naive_logprobs_and_entropy", "nucleus_entropy_and_gap", "token_logprobs_and_entropy"]

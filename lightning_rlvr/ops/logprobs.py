@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["TokenStats", "token_logprobs_and_entropy", "naive_logprobs_and_entropy"]
+__all__ = ["TokenStats", "naive_logprobs_and_entropy", "nucleus_entropy_and_gap", "token_logprobs_and_entropy"]
 
 
 @dataclass
@@ -44,11 +44,15 @@ class TokenStats:
         logprobs: ``log π(a_t)`` of the given labels, float32, shape ``labels.shape``.
         entropy: full-vocabulary entropy ``H_t`` (nats), float32, or ``None`` when not requested.
         sbar: ``S̄_t = Σ_j p_j² (log p_j + H_t)``, float32 and detached, or ``None`` when not requested.
+        nucleus_entropy: entropy of the renormalised top-p set (:func:`nucleus_entropy_and_gap`), or ``None``.
+        top2_gap: ``log p_(1) − log p_(2)``, the top-two log-probability gap, or ``None``.
     """
 
     logprobs: Tensor
     entropy: Tensor | None
     sbar: Tensor | None = None
+    nucleus_entropy: Tensor | None = None
+    top2_gap: Tensor | None = None
 
 
 def _chunk_forward(u: Tensor, labels: Tensor, with_sbar: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -153,6 +157,54 @@ def token_logprobs_and_entropy(
         entropy = entropy.detach()
     return TokenStats(logprobs=logp.reshape(shape), entropy=entropy.reshape(shape) if with_entropy else None,
                       sbar=sbar.reshape(shape) if with_sbar else None)
+
+
+@torch.no_grad()
+def nucleus_entropy_and_gap(logits: Tensor, temperature: float = 1.0, top_p: float = 0.9, chunk_size: int = 1024,
+                            max_candidates: int = 256) -> tuple[Tensor, Tensor]:
+    """Local top-p entropy and top-two log-prob gap per position (PAEC's decision-sensitivity signals), no grad.
+
+    With ``p = softmax(logits / τ)`` sorted descending, the nucleus is the smallest prefix whose mass reaches
+    ``top_p`` (the token that crosses ``top_p`` is included, as in nucleus sampling), ``q`` its renormalised
+    probabilities, and
+
+    .. math::
+        H^{top}_t = -\sum_{j \in N_p} q_j \log q_j, \qquad Δ_t = \log p_{(1)} - \log p_{(2)} \ge 0 .
+
+    Only the ``max_candidates`` most likely tokens are ranked (``topk``, not a full sort of the vocabulary);
+    when they hold less than ``top_p`` the nucleus is those candidates — which matters only for nearly
+    uniform distributions over a large vocabulary, where ``H^{top}`` is then ``≈ log(max_candidates)``.
+
+    Args:
+        logits: ``(..., V)`` raw logits, ``V ≥ 2``.
+        temperature: the sampling temperature.
+        top_p: nucleus mass in ``(0, 1]``.
+        chunk_size: rows processed at once.
+        max_candidates: tokens ranked per row.
+
+    Returns:
+        ``(nucleus_entropy, top2_gap)``, float32, shape ``logits.shape[:-1]``.
+    """
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if logits.shape[-1] < 2 or max_candidates < 2:
+        raise ValueError("nucleus_entropy_and_gap needs a vocabulary and max_candidates of at least 2")
+    flat = logits.reshape(-1, logits.shape[-1])
+    k = min(max_candidates, flat.shape[-1])
+    entropy = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    gap = torch.empty_like(entropy)
+    for start in range(0, flat.shape[0], chunk_size):
+        sl = slice(start, start + chunk_size)
+        log_p = torch.log_softmax(flat[sl].float() / temperature, dim=-1).topk(k, dim=-1).values
+        p = log_p.exp()
+        mass_before = p.cumsum(-1) - p
+        in_nucleus = mass_before < top_p  # the first token always is (mass before it is 0)
+        q = torch.where(in_nucleus, p, torch.zeros_like(p))
+        q = q / q.sum(-1, keepdim=True)
+        entropy[sl] = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)
+        gap[sl] = log_p[:, 0] - log_p[:, 1]
+    shape = logits.shape[:-1]
+    return entropy.reshape(shape), gap.reshape(shape)
 
 
 def naive_logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> TokenStats:
