@@ -141,6 +141,7 @@ class RLVRModule(pl.LightningModule):
         self.policy_version = 0
         self.val_accuracy = MeanMetric()
         self.val_pass_at_k = MeanMetric()
+        self.val_maj_at_k = MeanMetric()
 
     @staticmethod
     def _validate(args: dict[str, Any]) -> None:
@@ -487,13 +488,15 @@ class RLVRModule(pl.LightningModule):
         self.val_accuracy.update(result["greedy_correct"].to(self.device))
         if "pass_at_k" in result:
             self.val_pass_at_k.update(result["pass_at_k"].to(self.device))
+            self.val_maj_at_k.update(result["maj_at_k"].to(self.device))
 
     def on_validation_epoch_end(self) -> None:
         values = {"val/accuracy": self.val_accuracy.compute()}
         if self.val_pass_at_k.update_called:
             values["val/pass_at_k"] = self.val_pass_at_k.compute()
-        self.val_accuracy.reset()
-        self.val_pass_at_k.reset()
+            values["val/maj_at_k"] = self.val_maj_at_k.compute()
+        for metric in (self.val_accuracy, self.val_pass_at_k, self.val_maj_at_k):
+            metric.reset()
         if self.trainer.sanity_checking:
             # Lightning discards logs of the sanity check; the pre-training accuracy is the curve's first point.
             step = self.trainer.fit_loop.epoch_loop._batches_that_stepped

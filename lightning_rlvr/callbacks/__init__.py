@@ -14,6 +14,7 @@ from lightning_rlvr.callbacks.opefo import OPEFO
 from lightning_rlvr.callbacks.paec import PAEC
 from lightning_rlvr.callbacks.perplexity_shaping import PerplexityShaping
 from lightning_rlvr.callbacks.position_shaping import PositionShaping
+from lightning_rlvr.callbacks.rcea_diagnostics import RCEADiagnostics
 from lightning_rlvr.callbacks.stage_detector import StageDetector
 from lightning_rlvr.callbacks.stage_gate import ActivationGate, StageGated
 from lightning_rlvr.callbacks.steer import STEER
@@ -39,6 +40,7 @@ __all__ = [
     "Needs",
     "PerplexityShaping",
     "PositionShaping",
+    "RCEADiagnostics",
     "StageDetector",
     "StageGated",
     "StepContext",

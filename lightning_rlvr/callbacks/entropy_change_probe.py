@@ -95,6 +95,8 @@ class EntropyChangeProbe(Intervention):
         self.every_n_steps, self.sample_rows, self.window = every_n_steps, sample_rows, window
         self.history: dict[str, list[float]] = {name: [] for name in _SERIES}
         self.run_steps = self.run_flow_agree = self.run_cov_agree = 0
+        #: ``[step, cov, flow, observed]`` of every probed step of the run (for the predicted-vs-observed plot).
+        self.trajectory: list[list[float]] = []
 
     @property
     @override
@@ -134,6 +136,7 @@ class EntropyChangeProbe(Intervention):
         }
         for name, value in step_values.items():
             self.history[name] = (self.history[name] + [value])[-self.window :]
+        self.trajectory.append([float(ctx.step), cov, step_values["flow"], step_values["observed"]])
         self.run_steps += 1
         self.run_flow_agree += _sign(step_values["flow"]) == _sign(step_values["observed"])
         self.run_cov_agree += _sign(-cov) == _sign(step_values["observed"])
@@ -173,7 +176,8 @@ class EntropyChangeProbe(Intervention):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"history": {k: list(v) for k, v in self.history.items()}, "run_steps": self.run_steps,
-                "run_flow_agree": self.run_flow_agree, "run_cov_agree": self.run_cov_agree}
+                "run_flow_agree": self.run_flow_agree, "run_cov_agree": self.run_cov_agree,
+                "trajectory": [list(row) for row in self.trajectory]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -181,3 +185,4 @@ class EntropyChangeProbe(Intervention):
         self.run_steps = int(state_dict["run_steps"])
         self.run_flow_agree = int(state_dict["run_flow_agree"])
         self.run_cov_agree = int(state_dict["run_cov_agree"])
+        self.trajectory = [[float(v) for v in row] for row in state_dict.get("trajectory", [])]

@@ -33,6 +33,7 @@ from lightning_rlvr.algorithms.sampling import informative_groups, overlong_pena
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.data.sources import BuiltinTask, PromptSource
 from lightning_rlvr.metrics.pass_at_k import pass_at_k
+from lightning_rlvr.metrics.rcea import majority_vote_correct
 from lightning_rlvr.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rlvr.rollout.hf import HFEngine
 from lightning_rlvr.tasks import Problem
@@ -341,8 +342,23 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # -- evaluation ----------------------------------------------------------------------------------------
     @torch.no_grad()
+    def sample_completions(self, problems: list[Problem], n: int) -> list[list[tuple[str, bool]]]:
+        """``n`` completions per problem with the current policy and the training sampling settings.
+
+        Returns per problem a list of ``(text, correct)``; for diagnostics (e.g. mode retention on a probe set).
+        """
+        if self.tokenizer is None:
+            raise RuntimeError("RolloutDataModule.sample_completions called before setup()/connect(tokenizer)")
+        self._sync_policy()
+        rows, _ = self._generate_and_score(problems, n, self.sampling)
+        return [[(r.text, r.score > 0.5) for r in rows[i * n : (i + 1) * n]] for i in range(len(problems))]
+
+    @torch.no_grad()
     def evaluate(self, problems: list[Problem]) -> dict[str, torch.Tensor]:
-        """Greedy correctness and (if ``val_samples > 0``) unbiased pass@k per held-out problem."""
+        """Greedy correctness and (if ``val_samples > 0``) unbiased pass@k and maj@k per held-out problem.
+
+        maj@k votes over the first ``val_k`` of the ``val_samples`` samples, by the verifier's ``answer_key``.
+        """
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule.evaluate called before setup()/connect(tokenizer)")
         self._sync_policy()
@@ -353,4 +369,8 @@ class RolloutDataModule(pl.LightningDataModule):
             rows, _ = self._generate_and_score(problems, self.val_samples, self.sampling)
             correct = torch.tensor([r.score > 0.5 for r in rows], dtype=torch.float32).view(len(problems), -1)
             result["pass_at_k"] = pass_at_k(self.val_samples, correct.sum(-1), self.val_k)
+            k = self.val_k
+            keys = [[self.verifier.answer_key(r.text) for r in rows[i * self.val_samples : i * self.val_samples + k]]
+                    for i in range(len(problems))]
+            result["maj_at_k"] = majority_vote_correct(keys, correct[:, :k].bool())
         return result

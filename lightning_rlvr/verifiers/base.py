@@ -45,6 +45,13 @@ class Verifier(ABC):
     def score(self, completion: str, answer: str) -> float:
         """Reward of ``completion`` (text up to, not including, the first EOS) given ``answer``."""
 
+    def answer_key(self, completion: str) -> str:
+        """The answer a completion gives, as a key for majority voting (maj@k): equal keys = the same answer.
+
+        Default: the whitespace-normalised text. Called in the trainer process, so it must be cheap and total.
+        """
+        return " ".join(completion.split())
+
 
 class CallableVerifier(Verifier):
     """Wraps a user function ``fn(completion, answer) -> float`` (or an import path ``"pkg.mod:fn"``).

@@ -32,3 +32,6 @@ class ExactMatchVerifier(Verifier):
 
     def score(self, completion: str, answer: str) -> float:
         return float(self._normalise(completion) == self._normalise(answer))
+
+    def answer_key(self, completion: str) -> str:
+        return self._normalise(completion)

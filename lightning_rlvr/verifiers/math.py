@@ -92,6 +92,11 @@ class MathVerifier(Verifier):
         self.extract = extract
         self.extract_reference = extract_reference
 
+    def answer_key(self, completion: str) -> str:
+        """The extracted final answer (commas and spaces dropped), or the normalised text when none is found."""
+        extracted = extract_answer(completion, self.extract)
+        return "".join(extracted.replace(",", "").split()) if extracted is not None else " ".join(completion.split())
+
     @staticmethod
     def _as_math(text: str) -> str:
         text = text.replace(",", "") if re.fullmatch(r"-?[\d,]+(\.\d+)?", text) else text

@@ -1,0 +1,241 @@
+"""RCEADiagnostics: reward-conditioned entropy allocation, logged during training (seed paper ``seeds/002``).
+
+Global entropy conflates uncertainty in failed and successful trajectories and diversity across correct
+solution strategies; RCEA separates them (:mod:`lightning_rlvr.metrics.rcea`, ALGORITHMS.md §9.4). From the
+behaviour policy's token entropy of every rollout batch — no extra forward pass — this callback accumulates,
+over windows of ``every_n_steps`` rollout steps, and logs at the end of each window:
+
+- ``rcea/failed_entropy``, ``rcea/successful_entropy``, ``rcea/ratio`` (token-weighted), the ``*_seq``
+  sequence-weighted variants, ``rcea/failed_mass_share``;
+- ``rcea/paired_ratio`` with ``rcea/paired_ci_low`` / ``rcea/paired_ci_high`` (seeded bootstrap over questions),
+  ``rcea/paired_questions``, ``rcea/failure_higher`` and ``rcea/sign_test_p`` (one-sided exact). Questions are
+  identified by their prompt tokens, so a prompt drawn twice in a window pools its completions;
+- ``rcea/cov_tail/<stratum>_top<pct>pct``: the share of positive chosen-token covariance
+  ``(log π − mean)(A − mean)`` held by each stratum's top tokens, on the window's last batch (an endpoint proxy);
+- every ``retention_every_n_steps`` steps, **correct-solution-mode retention** on a fixed probe set (the
+  first ``probe_size`` held-out problems, ``probe_samples`` samples each at the training temperature):
+  ``rcea/retention`` = retained baseline modes / baseline modes, pooled over questions, with a bootstrap CI
+  over questions (``rcea/retention_ci_low`` / ``_high``), ``rcea/modes_per_question`` and
+  ``rcea/probe_coverage`` (share of probe questions with a correct sample). The baseline is the policy at the
+  first training step (after any warm start). Modes are clusters of correct completions
+  (:func:`~lightning_rlvr.metrics.rcea.cluster_modes`; ``mode_similarity = 1`` = distinct normalised texts).
+  On the embedded arithmetic tasks every question has a single correct text, so retention there is the
+  retention of correct-answer *coverage*; on free-form reasoning it counts distinct solutions. The probe runs
+  under a forked RNG with its own seed, so it does not change the training run's random stream.
+
+At the end of the fit, rank 0 plots the stratum trajectories and the paired-ratio CIs (and predicted vs
+observed entropy change when an :class:`~lightning_rlvr.callbacks.EntropyChangeProbe` is in the callbacks)
+and logs them to MLflow (``plots/*.png``) or writes them to ``plot_dir`` (:func:`~lightning_rlvr.plots.save_figures`).
+Under DDP every rank updates its torchmetrics and calls ``compute`` (a collective); probe questions are sharded
+over ranks and their counts gathered, so the statistics are those of the whole batch / probe set.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_rlvr.algorithms.covariance import token_covariance
+from lightning_rlvr.callbacks.base import Intervention, StepContext
+from lightning_rlvr.distributed import gather_cat, world_size
+from lightning_rlvr.metrics.rcea import (
+    CovarianceTailConcentration,
+    PairedEntropyRatio,
+    StratifiedEntropy,
+    bootstrap_ci,
+    cluster_modes,
+    mode_retention,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_rlvr.data.batch import RolloutBatch
+
+__all__ = ["RCEADiagnostics", "question_ids"]
+
+
+def question_ids(batch: RolloutBatch) -> Tensor:
+    """A stable int64 id per row from its prompt tokens (padding excluded): equal prompts → equal ids, any rank."""
+    prompt = batch.input_ids[:, : batch.prompt_length].tolist()
+    attention = batch.attention_mask[:, : batch.prompt_length].tolist()
+    # hash() of a tuple of ints does not depend on PYTHONHASHSEED: the same on every process.
+    return torch.tensor([hash(tuple(t for t, a in zip(ids, att) if a)) for ids, att in zip(prompt, attention)],
+                        dtype=torch.long)
+
+
+class RCEADiagnostics(Intervention):
+    """Entropy by verifier outcome, paired ratios with CIs, covariance tail concentration, mode retention.
+
+    Args:
+        every_n_steps: window length (rollout steps) of the stratified and paired statistics.
+        num_resamples: bootstrap resamples (paired ratio, retention).
+        confidence: two-sided level of the bootstrap intervals.
+        seed: bootstrap seed (and the probe's sampling seed).
+        tail_fractions: upper-tail budgets of the covariance concentration.
+        retention_every_n_steps: probe period in rollout steps (0 = no mode retention).
+        probe_size: probe questions (the first held-out problems).
+        probe_samples: samples per probe question.
+        mode_similarity: character-3-gram Jaccard threshold of one mode (1 = identical normalised text).
+        plots: write the figures at the end of the fit.
+        plot_dir: folder for the PNGs (default: MLflow artifacts, else ``<default_root_dir>/plots``).
+
+    Example::
+
+        >>> from lightning_rlvr.callbacks import RCEADiagnostics
+        >>> RCEADiagnostics(every_n_steps=50).every_n_steps
+        50
+    """
+
+    metric_prefix = "rcea"
+
+    def __init__(self, every_n_steps: int = 20, num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0,
+                 tail_fractions: tuple[float, ...] = (0.01, 0.025, 0.05), retention_every_n_steps: int = 500,
+                 probe_size: int = 64, probe_samples: int = 8, mode_similarity: float = 1.0, plots: bool = True,
+                 plot_dir: str | None = None) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"RCEADiagnostics: every_n_steps must be >= 1, got {every_n_steps}")
+        if num_resamples < 1 or not 0 < confidence < 1:
+            raise ValueError("RCEADiagnostics: need num_resamples >= 1 and 0 < confidence < 1")
+        if retention_every_n_steps < 0 or probe_size < 1 or probe_samples < 1:
+            raise ValueError("RCEADiagnostics: need retention_every_n_steps >= 0, probe_size >= 1, probe_samples >= 1")
+        if not 0 < mode_similarity <= 1:
+            raise ValueError(f"RCEADiagnostics: mode_similarity must be in (0, 1], got {mode_similarity}")
+        self.every_n_steps, self.num_resamples, self.confidence, self.seed = every_n_steps, num_resamples, confidence, seed
+        self.tail_fractions = tuple(float(f) for f in tail_fractions)
+        self.retention_every_n_steps, self.probe_size, self.probe_samples = retention_every_n_steps, probe_size, probe_samples
+        self.mode_similarity, self.plots, self.plot_dir = float(mode_similarity), bool(plots), plot_dir
+        self.strata = StratifiedEntropy()
+        self.paired = PairedEntropyRatio(num_resamples, confidence, seed)
+        self.cov_tail = CovarianceTailConcentration(self.tail_fractions)  # validates the fractions
+        self.baseline_modes: list[list[str]] | None = None
+        #: one dict of logged values per window (and per probe), for the plots and for users.
+        self.windows: list[dict[str, float]] = []
+        self.retention: list[dict[str, float]] = []
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._state_key(every_n_steps=self.every_n_steps, seed=self.seed,
+                               retention_every_n_steps=self.retention_every_n_steps, probe_size=self.probe_size)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # States live where the data is: a NCCL all-gather needs CUDA tensors, gloo takes CPU ones.
+        for metric in (self.strata, self.paired, self.cov_tail):
+            metric.to(pl_module.device)
+
+    # -- per-step statistics -------------------------------------------------------------------------------
+    @override
+    def on_update_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> None:
+        if ctx.updates_applied == 0:
+            return  # the behaviour stats of a fully skipped single update are only partly filled
+        batch, mask = ctx.batch, ctx.mask
+        entropy, correct = ctx.old_entropy.detach(), batch.correct
+        self.strata.update(entropy, mask, correct)
+        self.paired.update(entropy, mask, correct, question_ids(batch).to(entropy.device))
+        window_end = (ctx.step + 1) % self.every_n_steps == 0
+        if window_end:
+            self._log_window(ctx)
+        if self.retention_every_n_steps and (ctx.step + 1) % self.retention_every_n_steps == 0:
+            self._log_retention(trainer, pl_module, ctx)
+
+    def _log_window(self, ctx: StepContext) -> None:
+        valid = ctx.mask > 0
+        logprobs, _ = gather_cat(ctx.old_logprobs[valid].float())
+        advantages, offset = gather_cat(ctx.advantages[valid].float())
+        covariance = torch.zeros_like(ctx.mask)
+        covariance[valid] = token_covariance(logprobs, advantages)[offset : offset + int(valid.sum())].to(ctx.mask.dtype)
+        self.cov_tail.update(covariance, ctx.mask, ctx.batch.correct)
+        values: dict[str, float] = {"step": float(ctx.step)}
+        strata = {k: v.item() for k, v in self.strata.compute().items()}
+        for key in ("failed", "successful", "failed_seq", "successful_seq"):
+            values[f"{key}_entropy"] = strata[key]
+        values.update(ratio=strata["ratio"], ratio_seq=strata["ratio_seq"], failed_mass_share=strata["failed_mass_share"])
+        paired = {k: v.item() for k, v in self.paired.compute().items()}
+        values.update(paired_ratio=paired["geometric_mean"], paired_ci_low=paired["ci_low"],
+                      paired_ci_high=paired["ci_high"], paired_questions=paired["paired"],
+                      failure_higher=paired["failure_higher"], sign_test_p=paired["sign_test_p"])
+        values.update({f"cov_tail/{k}": v.item() for k, v in self.cov_tail.compute().items()})
+        for metric in (self.strata, self.paired, self.cov_tail):
+            metric.reset()
+        self.windows.append(values)
+        for key, value in values.items():
+            if key != "step":
+                ctx.log(self.log_name(key), value)
+
+    # -- mode retention --------------------------------------------------------------------------------------
+    def _probe_modes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> list[tuple[list[str], bool]]:
+        """This rank's shard of the probe set: per question, its modes and whether any sample was correct."""
+        data = trainer.datamodule
+        problems = data.source.held_out_problems()[: self.probe_size][trainer.global_rank :: max(world_size(), 1)]
+        if not problems:
+            return []
+        device = pl_module.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(self.seed + step)
+            samples = data.sample_completions(problems, self.probe_samples)
+        return [(cluster_modes([t for t, ok in rows if ok], self.mode_similarity), any(ok for _, ok in rows))
+                for rows in samples]
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.retention_every_n_steps and self.baseline_modes is None:
+            self.baseline_modes = [modes for modes, _ in self._probe_modes(trainer, pl_module, step=-1)]
+
+    def _log_retention(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> None:
+        current = self._probe_modes(trainer, pl_module, ctx.step)
+        rows = [[float(len(base)), float(mode_retention(base, modes, self.mode_similarity)), float(len(modes)),
+                 float(covered)] for base, (modes, covered) in zip(self.baseline_modes or [], current)]
+        local = torch.tensor(rows, dtype=torch.float64).reshape(-1)
+        gathered, _ = gather_cat(local.to(ctx.mask.device))
+        table = gathered.cpu().view(-1, 4)
+        base, kept = table[:, 0], table[:, 1]
+        has_base = base > 0
+        retention = kept.sum().item() / base.sum().item() if base.sum() > 0 else math.nan
+        low, high = bootstrap_ci(kept[has_base] / base[has_base], weights=base[has_base],
+                                 num_resamples=self.num_resamples, confidence=self.confidence, seed=self.seed)
+        values = {"retention": retention, "retention_ci_low": low, "retention_ci_high": high,
+                  "modes_per_question": table[:, 2].mean().item() if len(table) else math.nan,
+                  "baseline_modes_per_question": base.mean().item() if len(table) else math.nan,
+                  "probe_coverage": table[:, 3].mean().item() if len(table) else math.nan}
+        self.retention.append({"step": float(ctx.step), **values})
+        for key, value in values.items():
+            ctx.log(self.log_name(key), value)
+
+    # -- plots -------------------------------------------------------------------------------------------------
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.plots or not trainer.is_global_zero or not self.windows:
+            return
+        from lightning_rlvr.callbacks.entropy_change_probe import EntropyChangeProbe
+        from lightning_rlvr.plots import entropy_by_stratum_figure, entropy_change_figure, paired_ratio_figure, save_figures
+
+        column = {key: [w[key] for w in self.windows] for key in self.windows[0]}
+        figures = {
+            "rcea_entropy_by_stratum": entropy_by_stratum_figure(column["step"], column["failed_entropy"],
+                                                                 column["successful_entropy"], column["ratio"]),
+            "rcea_paired_ratio": paired_ratio_figure(column["step"], column["paired_ratio"], column["paired_ci_low"],
+                                                     column["paired_ci_high"]),
+        }
+        probes = [cb for cb in trainer.callbacks if isinstance(cb, EntropyChangeProbe) and cb.trajectory]
+        if probes:
+            _, cov, flow, observed = zip(*probes[0].trajectory)
+            figures["entropy_change_predicted_vs_observed"] = entropy_change_figure(cov, flow, observed)
+        self.written = save_figures(trainer, figures, self.plot_dir)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"baseline_modes": self.baseline_modes, "windows": [dict(w) for w in self.windows],
+                "retention": [dict(r) for r in self.retention]}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.baseline_modes = state_dict["baseline_modes"]
+        self.windows = [dict(w) for w in state_dict["windows"]]
+        self.retention = [dict(r) for r in state_dict["retention"]]

@@ -1,0 +1,123 @@
+"""RCEADiagnostics in a fit: logged windows equal an independent recomputation, retention probe, plots."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import MLFlowLogger
+
+from lightning_rlvr import RLVRModule
+from lightning_rlvr.callbacks import EntropyChangeProbe, Intervention, RCEADiagnostics
+from lightning_rlvr.callbacks.rcea_diagnostics import question_ids
+from lightning_rlvr.metrics.rcea import sign_test_pvalue
+from test_module import frozen_rollout, reverse_data, trainer
+
+from .test_protocol import fixed
+
+
+class Capture(Intervention):
+    """Keeps every step's behaviour entropy, mask, verdicts and question ids."""
+
+    def __init__(self) -> None:
+        self.steps = []
+
+    def on_update_end(self, trainer, pl_module, ctx):
+        self.steps.append((ctx.old_entropy.clone(), ctx.mask.clone(), ctx.batch.correct.clone(),
+                           question_ids(ctx.batch)))
+
+
+def by_hand(steps):
+    tokens = {False: [], True: []}
+    per_question: dict[tuple[int, bool], list[float]] = {}
+    for entropy, mask, correct, questions in steps:
+        for i in range(len(mask)):
+            values = entropy[i][mask[i] > 0].double().tolist()
+            tokens[bool(correct[i])].extend(values)
+            per_question.setdefault((int(questions[i]), bool(correct[i])), []).extend(values)
+    logs = [math.log(np.mean(per_question[(q, False)]) / np.mean(per_question[(q, True)]))
+            for q in {q for q, _ in per_question} if (q, False) in per_question and (q, True) in per_question
+            and per_question[(q, False)] and per_question[(q, True)]]
+    return np.mean(tokens[False]), np.mean(tokens[True]), np.array(logs)
+
+
+def test_windows_match_an_independent_recomputation(tiny_model_dir, memory_logger, tmp_path):
+    capture = Capture()
+    rcea = RCEADiagnostics(every_n_steps=3, retention_every_n_steps=3, probe_size=6, probe_samples=4,
+                           plot_dir=str(tmp_path / "plots"))
+    probe = EntropyChangeProbe()
+    batch = frozen_rollout(tiny_model_dir)
+    batch.correct = batch.rewards > 0.5  # every question has successes and failures: all are paired
+    trainer(6, callbacks=[capture, rcea, probe], logger=memory_logger).fit(
+        RLVRModule(model=tiny_model_dir, learning_rate=5e-3), fixed(batch))
+    h = memory_logger.history
+    assert set(h["rcea/ratio"]) == {2, 5}
+    for window, step in ((capture.steps[:3], 2), (capture.steps[3:], 5)):
+        failed, successful, logs = by_hand(window)
+        assert h["rcea/failed_entropy"][step] == pytest.approx(failed, rel=1e-6)
+        if math.isfinite(successful):
+            assert h["rcea/ratio"][step] == pytest.approx(failed / successful, rel=1e-6)
+        assert h["rcea/paired_questions"][step] == len(logs) == 8
+        if len(logs):
+            assert h["rcea/paired_ratio"][step] == pytest.approx(math.exp(logs.mean()), rel=1e-6)
+            higher = int((logs > 0).sum())
+            assert h["rcea/sign_test_p"][step] == pytest.approx(sign_test_pvalue(higher, int((logs != 0).sum())))
+    # Retention: the baseline is the policy before the first update; values are shares.
+    assert set(h["rcea/retention"]) == {2, 5} and len(rcea.baseline_modes) == 6
+    for step in (2, 5):
+        value = h["rcea/retention"][step]
+        assert math.isnan(value) or 0 <= value <= 1
+        assert 0 <= h["rcea/probe_coverage"][step] <= 1
+    assert sorted(os.listdir(tmp_path / "plots")) == ["entropy_change_predicted_vs_observed.png",
+                                                      "rcea_entropy_by_stratum.png", "rcea_paired_ratio.png"]
+
+
+def test_the_probe_does_not_change_the_training_run(tiny_model_dir, memory_logger):
+    from lightning_rlvr.loggers import InMemoryLogger
+    import lightning.pytorch as pl
+
+    curves = []
+    for callbacks in ([], [RCEADiagnostics(every_n_steps=2, retention_every_n_steps=2, probe_size=4, plots=False)]):
+        pl.seed_everything(3, verbose=False)
+        logger = InMemoryLogger()
+        trainer(4, callbacks=callbacks, logger=logger).fit(RLVRModule(model=tiny_model_dir, learning_rate=5e-3),
+                                                           reverse_data())
+        curves.append(logger.history["reward/mean"])
+    assert curves[0] == curves[1]
+
+
+def test_plots_go_to_mlflow_as_artifacts(tiny_model_dir, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MLFlowLogger(experiment_name="rcea", tracking_uri=uri, artifact_location=str(tmp_path / "artifacts"))
+    rcea = RCEADiagnostics(every_n_steps=2, retention_every_n_steps=0)
+    trainer(2, callbacks=[rcea], logger=logger).fit(RLVRModule(model=tiny_model_dir, learning_rate=5e-3),
+                                                    reverse_data())
+    names = [a.path for a in logger.experiment.list_artifacts(logger.run_id, "plots")]
+    assert names == ["plots/rcea_entropy_by_stratum.png", "plots/rcea_paired_ratio.png"]
+    assert rcea.written == []  # no folder given: MLflow only
+
+
+def test_state_round_trip_and_arguments():
+    rcea = RCEADiagnostics()
+    rcea.baseline_modes, rcea.windows = [["12"], []], [{"step": 19.0, "ratio": 1.2}]
+    other = RCEADiagnostics()
+    other.load_state_dict(rcea.state_dict())
+    assert other.baseline_modes == [["12"], []] and other.windows == rcea.windows
+    for kwargs in ({"every_n_steps": 0}, {"confidence": 1.0}, {"probe_size": 0}, {"mode_similarity": 0},
+                   {"tail_fractions": (0.0,)}):
+        with pytest.raises(ValueError):
+            RCEADiagnostics(**kwargs)
+
+
+def test_question_ids_ignore_padding_and_are_equal_for_equal_prompts():
+    from .helpers import rollout_batch
+
+    batch = rollout_batch([0.0, 1.0, 0.0], [[1, 1], [1, 1], [1, 0]])
+    batch.input_ids = torch.tensor([[0, 5, 6, 1, 2], [5, 6, 6, 3, 4], [0, 5, 6, 7, 8]])
+    batch.attention_mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]])
+    batch.prompt_length = 3
+    ids = question_ids(batch)
+    assert ids[0] == ids[2] and ids[0] != ids[1]
