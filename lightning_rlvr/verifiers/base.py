@@ -82,7 +82,8 @@ class _CallTimeout(Exception):
     pass
 
 
-def _ping(index: int) -> int:
+def _ping(verifier: Verifier, index: int) -> int:
+    # Receiving the verifier unpickles it in the worker, which imports its module (and whatever that imports).
     return index
 
 
@@ -127,8 +128,9 @@ class VerifierRunner:
             if self.verifier.isolation == "process":
                 context = multiprocessing.get_context("spawn")
                 pool = cf.ProcessPoolExecutor(self.num_workers, mp_context=context)
-                # Start every worker (imports included) before any call's time limit starts counting.
-                warmups = [pool.submit(_ping, i) for i in range(self.num_workers)]
+                # Start every worker and import the verifier's modules there (unpickling it) before any call's
+                # time limit starts counting: a cold worker can take seconds (torch, sympy) to get to the call.
+                warmups = [pool.submit(_ping, self.verifier, i) for i in range(self.num_workers)]
                 done, pending = cf.wait(warmups, timeout=self.startup_timeout_s)
                 if pending:
                     pool.shutdown(wait=False, cancel_futures=True)

@@ -153,6 +153,16 @@ def test_evaluate_reports_greedy_correctness_and_pass_at_k(tokenizer):
     result = dm.evaluate(problems)
     assert result["greedy_correct"].tolist() == [1.0]
     assert result["pass_at_k"].tolist() == pytest.approx([0.5])
+    assert result["maj_at_k"].tolist() == [1.0]  # the first 2 samples, "12" and "99", tie: the first seen wins
+
+
+@pytest.mark.parametrize("samples, k, majority", [(["99", "12", "12", "99"], 3, 1.0), (["99", "12", "99", "12"], 3, 0.0),
+                                                  (["12", "99", "99", "12"], 4, 1.0)])
+def test_majority_vote_over_the_first_k_samples(tokenizer, samples, k, majority):
+    problems = [Problem("5+7=", "12")]
+    rows = [digits("12") + [EOS]] + [digits(s) + [EOS] for s in samples]
+    result = make_dm(tokenizer, rows, problems, val_samples=4, val_k=k).evaluate(problems)
+    assert result["maj_at_k"].tolist() == [majority]
 
 
 @pytest.mark.parametrize(

@@ -235,7 +235,8 @@ def test_process_isolation_worker_start_up_does_not_count_against_call_timeout(m
     # BUG pin: the batch deadline is timeout_s * rounds + 5 s measured from submission, so the spawn + import
     # time of a cold pool (here >= 5.5 s; in practice torch + lightning + sympy take 5-15 s on a small
     # machine) counts against it: every call of the first batch times out although each takes microseconds,
-    # and the pool is then killed, so the next batch pays the start-up again.
+    # and the pool is then killed, so the next batch pays the start-up again. The warm-up must therefore import
+    # the verifier's modules in the workers (a bare ping did not, and this passed only on an idle machine).
     runner = make_runner(_VerifierWithSlowImport(), timeout_s=0.3, num_workers=1)
     assert runner.score_batch(["a", "b"], ["a", "a"]) == ([1.0, 0.0], 0)
 
