@@ -23,7 +23,7 @@ __all__ = ["entropy_by_stratum_figure", "entropy_change_figure", "paired_ratio_f
 
 def entropy_by_stratum_figure(steps: Sequence[float], failed: Sequence[float], successful: Sequence[float],
                               ratio: Sequence[float]) -> Figure:
-    """Token entropy of failed and successful responses over training, and their ratio (log scale)."""
+    """Token entropy of failed and successful responses over training, and their ratio."""
     fig = Figure(figsize=(9, 3.5), layout="constrained")
     left, right = fig.subplots(1, 2)
     left.plot(steps, failed, color="tab:red", label="failed")
@@ -33,8 +33,6 @@ def entropy_by_stratum_figure(steps: Sequence[float], failed: Sequence[float], s
     right.plot(steps, ratio, color="tab:purple")
     right.axhline(1.0, color="grey", lw=0.8, ls="--")
     right.set(xlabel="rollout step", ylabel="failed / successful", title="Failed-to-successful ratio")
-    if all(math.isfinite(r) and r > 0 for r in ratio) and ratio:
-        right.set_yscale("log")
     return fig
 
 
