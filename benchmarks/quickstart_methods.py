@@ -41,7 +41,9 @@ METHODS = {
     "paec": lambda: [PAEC()],  # λ 0.05, floor 0.9 × the first 4 steps' masked entropy
     "paec_no_mask": lambda: [PAEC(mask="none")],
     "hapo": lambda: [HAPO()],  # λ 0.5, m_max 3
-    "ep_grpo": lambda: [EPGRPO()],
+    "ep_grpo": lambda: [EPGRPO()],  # outcome-signed zero-variance groups, centred cells
+    "ep_grpo_first_design": lambda: [EPGRPO(normalize="zscore", unsigned_zero_variance=True)],  # collapses
+    "ep_grpo_zscore": lambda: [EPGRPO(normalize="zscore")],
 }
 
 

@@ -228,3 +228,66 @@ def test_an_off_policy_rollout_is_refused(tiny_model_dir):
 def test_invalid_arguments_are_rejected_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RLVRModule(**kwargs)
+
+
+@pytest.mark.parametrize("reset_reference", [True, False])
+def test_warm_start_sets_the_reference_to_the_warmed_up_policy(tiny_model_dir, memory_logger, reset_reference):
+    pl.seed_everything(0)
+    initial = RLVRModule(model=tiny_model_dir)
+    initial.configure_model()
+    module = RLVRModule(model=tiny_model_dir, kl_coef=0.1, kl_estimator="k3")
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["policy"] = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
+            seen["ref"] = {k: v.clone() for k, v in pl_module.ref_model.state_dict().items()}
+
+    warm = SupervisedWarmStart(steps=5, reset_reference=reset_reference)
+    fit = trainer(1, logger=memory_logger, callbacks=[warm, Probe()])
+    fit.fit(module, reverse_data(source=BuiltinTask("reverse", num_digits=3, warm_start_fraction=0.2)))
+    expected = seen["policy"] if reset_reference else initial.policy.state_dict()
+    for k, v in expected.items():
+        torch.testing.assert_close(seen["ref"][k], v, rtol=0, atol=0)
+    assert not torch.equal(seen["policy"]["lm_head.weight"], initial.policy.state_dict()["lm_head.weight"])
+    assert all(not p.requires_grad for p in module.ref_model.parameters())
+    kl_at_start = memory_logger.history["loss/kl"][0]
+    if reset_reference:
+        assert kl_at_start == pytest.approx(0.0, abs=1e-7)  # KL to the policy RL starts from
+    else:
+        assert kl_at_start > 1e-4
+
+
+def test_resume_replays_the_warm_start_on_the_reference_only(tiny_model_dir, tmp_path, recwarn):
+    def run(max_steps, ckpt_path=None):
+        pl.seed_everything(0)
+        module = RLVRModule(model=tiny_model_dir, kl_coef=0.1, kl_estimator="k3")
+        warm = SupervisedWarmStart(steps=5)
+        seen = {}
+
+        class Probe(pl.Callback):
+            def on_train_start(self, trainer, pl_module):
+                seen["ref"] = {k: v.clone() for k, v in pl_module.ref_model.state_dict().items()}
+                seen["policy"] = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
+                seen["rng"] = torch.get_rng_state()
+
+        fit = trainer(max_steps, default_root_dir=tmp_path, callbacks=[warm, Probe()])
+        source = BuiltinTask("reverse", num_digits=3, warm_start_fraction=0.2)
+        fit.fit(module, reverse_data(source=source), ckpt_path=ckpt_path)
+        return fit, module, warm, seen
+
+    fit, _, warm, first = run(2)
+    path = tmp_path / "ref.ckpt"
+    fit.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    assert not any(k.startswith("ref_model.") for k in checkpoint["state_dict"])
+
+    pl.seed_everything(0)
+    _, _, warm2, resumed = run(3, ckpt_path=path)
+    for k, v in first["ref"].items():  # the post-warm-start reference, rebuilt bitwise
+        torch.testing.assert_close(resumed["ref"][k], v, rtol=0, atol=0)
+    assert warm2.reference_fingerprint == warm.reference_fingerprint
+    assert not any("replayed reference differs" in str(w.message) for w in recwarn)
+    after_two_steps = {k: v for k, v in fit.lightning_module.policy.state_dict().items()}
+    for k, v in after_two_steps.items():  # the policy comes from the checkpoint, not from a second warm start
+        torch.testing.assert_close(resumed["policy"][k], v, rtol=0, atol=0)

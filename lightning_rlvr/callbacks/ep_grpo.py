@@ -8,14 +8,19 @@ found; ALGORITHMS.md §9.5, lowest confidence — :mod:`lightning_rlvr.algorithm
 2. **implicit process signal** — the policy's divergence from the reference, ``d_t = log π_old − log π_ref``,
    bounded by ``tanh(d/τ_d)`` and *anchored to the outcome*: signed by ``A_i`` (a token the policy already moved
    toward is reinforced on successes and suppressed on failures); in zero-variance groups (``A_i = 0``) the
-   raw signal is used, so such groups still get a gradient once the policy has moved;
-3. **progress-aligned normalisation** — ``A' = g (A + γ p)`` is z-scored within each question and each of
+   verifier outcome gives the sign, so such groups still get a gradient once the policy has moved;
+3. **progress-aligned normalisation** — ``A' = g (A + γ p)`` is centred within each question and each of
    ``K`` bins of cumulative-entropy progress ``P_{i,t} = Σ_{s≤t} H / Σ H``, comparing tokens at the same stage of
-   the reasoning rather than at the same index.
+   the reasoning rather than at the same index (``normalize="zscore"`` also divides by the cell's std).
+
+Our first design (unsigned zero-variance groups, z-scored cells) collapsed on the quickstart; see
+:mod:`lightning_rlvr.algorithms.progress_advantage` for why, and ``unsigned_zero_variance=True`` /
+``normalize="zscore"`` to reproduce it.
 
 Needs the behaviour policy's entropy and the reference model's log-probs (the frozen initial policy is loaded
-even without a KL term). At the very first step ``π_old = π_ref`` so ``p = 0``: zero-variance groups get their
-gradient only after the policy has moved. ``normalize=False`` skips step 3 (an ablation).
+even without a KL term; with :class:`SupervisedWarmStart` it is the warmed-up policy). At the very first step
+``π_old = π_ref`` so ``p = 0``: zero-variance groups get their gradient only after the policy has moved.
+``normalize="none"`` skips step 3 (an ablation).
 
 Metrics: ``ep_grpo/gate_mean``, ``ep_grpo/process_mean_abs`` (``|p|``), ``ep_grpo/process_outcome_corr`` (Pearson
 of ``p`` and ``A`` over signed tokens), ``ep_grpo/zero_variance_groups`` (share of groups with ``A = 0``) and
@@ -46,6 +51,8 @@ if TYPE_CHECKING:
 
 __all__ = ["EPGRPO"]
 
+NORMALIZE_MODES = ("center", "zscore", "none")
+
 
 class EPGRPO(Intervention):
     """Entropy-gated, divergence-guided, progress-normalised token advantages (arXiv 2605.04960).
@@ -57,7 +64,10 @@ class EPGRPO(Intervention):
         process_weight: γ of the implicit process signal.
         divergence_temperature: τ_d (nats of log-ratio).
         progress_bins: K cumulative-entropy progress bins.
-        normalize: z-score within (question, progress bin).
+        normalize: ``"center"`` (subtract the (question, progress bin) mean), ``"zscore"`` (also divide by its
+            std) or ``"none"``.
+        unsigned_zero_variance: leave the process signal of zero-advantage rows unsigned (``+tanh(d/τ)``) instead
+            of signing it by the verifier outcome — the first design, kept as an ablation.
 
     Example::
 
@@ -70,7 +80,7 @@ class EPGRPO(Intervention):
 
     def __init__(self, gate_strength: float = 0.5, gate_low: float = 0.5, gate_high: float = 2.0,
                  process_weight: float = 0.1, divergence_temperature: float = 0.5, progress_bins: int = 10,
-                 normalize: bool = True) -> None:
+                 normalize: str = "center", unsigned_zero_variance: bool = False) -> None:
         if gate_strength < 0:
             raise ValueError(f"EPGRPO: gate_strength must be >= 0, got {gate_strength}")
         if not 0 < gate_low <= 1 <= gate_high:
@@ -81,9 +91,12 @@ class EPGRPO(Intervention):
             raise ValueError(f"EPGRPO: divergence_temperature must be > 0, got {divergence_temperature}")
         if progress_bins < 1:
             raise ValueError(f"EPGRPO: progress_bins must be >= 1, got {progress_bins}")
+        if normalize not in NORMALIZE_MODES:
+            raise ValueError(f"EPGRPO: normalize must be one of {NORMALIZE_MODES}, got {normalize!r}")
         self.gate_strength, self.gate_low, self.gate_high = float(gate_strength), float(gate_low), float(gate_high)
         self.process_weight, self.divergence_temperature = float(process_weight), float(divergence_temperature)
-        self.progress_bins, self.normalize = int(progress_bins), bool(normalize)
+        self.progress_bins, self.normalize = int(progress_bins), normalize
+        self.unsigned_zero_variance = bool(unsigned_zero_variance)
         self.needs = Needs(old_stats=True, ref_logprobs=True)
 
     @property
@@ -91,18 +104,22 @@ class EPGRPO(Intervention):
     def state_key(self) -> str:
         return self._state_key(gate_strength=self.gate_strength, gate_low=self.gate_low, gate_high=self.gate_high,
                                process_weight=self.process_weight, divergence_temperature=self.divergence_temperature,
-                               progress_bins=self.progress_bins, normalize=self.normalize)
+                               progress_bins=self.progress_bins, normalize=self.normalize,
+                               unsigned_zero_variance=self.unsigned_zero_variance)
 
     def shaped(self, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor]:
         """``(A'', gate, process signal)`` for the step (pure given the context)."""
         mask, entropy = ctx.mask, ctx.old_entropy.float()
         gate = entropy_gate(entropy, mask, self.gate_strength, self.gate_low, self.gate_high)
-        process = divergence_signal(ctx.old_logprobs, ctx.ref_logprobs, ctx.advantages, self.divergence_temperature)
+        correct = None if self.unsigned_zero_variance else ctx.batch.correct
+        process = divergence_signal(ctx.old_logprobs, ctx.ref_logprobs, ctx.advantages, self.divergence_temperature,
+                                    correct)
         process = process * mask
         shaped = gate * (ctx.advantages + self.process_weight * process)
-        if self.normalize:
+        if self.normalize != "none":
             bins = progress_bins(cumulative_entropy_progress(entropy, mask), self.progress_bins)
-            shaped = progress_normalize(shaped, mask, ctx.batch.group_ids, bins, self.progress_bins)
+            shaped = progress_normalize(shaped, mask, ctx.batch.group_ids, bins, self.progress_bins,
+                                        scale=self.normalize == "zscore")
         return shaped * mask, gate, process
 
     @override

@@ -9,6 +9,16 @@ cross-entropy of the answer tokens only, with its own AdamW (the RL optimizer's 
 It runs once, in ``on_fit_start`` (after the policy is built and placed on its device, before the sanity
 validation, so the first logged ``val/accuracy`` is the RL starting point), and never again after a resume:
 its ``completed`` flag is part of the checkpoint.
+
+**Reference model.** The warm start plays the role of SFT, and RLHF's reference is the SFT model, not the
+checkpoint before it: with ``reset_reference=True`` (default) a frozen reference (loaded for a KL term or for an
+intervention that reads reference log-probs, e.g. EP-GRPO) is set to the warmed-up policy, so ``KL = 0`` and
+``log π − log π_ref = 0`` where RL begins. Left at the pre-warm-start weights, the log-ratio is large from step 0
+(EP-GRPO's ``tanh(d/τ)`` saturates at ±1 on every token). Checkpoints never hold the reference (it is rebuilt
+from ``model`` on load), so after a resume the warm start is replayed *on the reference only*, with the same
+seed, inside a forked RNG (the training run's random streams are untouched); a fingerprint of the reference
+stored in the checkpoint checks the replay (bitwise on CPU; on GPU non-deterministic kernels may differ
+slightly, which is reported as a warning).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 __all__ = ["SupervisedWarmStart"]
@@ -32,6 +42,8 @@ class SupervisedWarmStart(Callback):
         batch_size: examples per step (sampled with replacement from the warm-start problems).
         learning_rate: AdamW learning rate of the warm start.
         seed: sampling seed (identical on every rank, so DDP replicas stay identical).
+        reset_reference: set a loaded frozen reference model to the warmed-up policy (module docstring);
+            ``False`` keeps the reference at the pre-warm-start weights.
 
     Example::
 
@@ -39,7 +51,8 @@ class SupervisedWarmStart(Callback):
         >>> trainer = Trainer(callbacks=[SupervisedWarmStart(steps=100)], logger=False)
     """
 
-    def __init__(self, steps: int = 100, batch_size: int = 64, learning_rate: float = 1e-3, seed: int = 0) -> None:
+    def __init__(self, steps: int = 100, batch_size: int = 64, learning_rate: float = 1e-3, seed: int = 0,
+                 reset_reference: bool = True) -> None:
         if steps < 0:
             raise ValueError(f"SupervisedWarmStart: steps must be >= 0, got {steps}")
         if batch_size < 1:
@@ -50,8 +63,10 @@ class SupervisedWarmStart(Callback):
         self.batch_size = batch_size
         self.learning_rate = learning_rate
         self.seed = seed
+        self.reset_reference = bool(reset_reference)
         self.completed = False
         self.final_loss: float | None = None
+        self.reference_fingerprint: list[float] | None = None
 
     @property
     @override
@@ -60,26 +75,59 @@ class SupervisedWarmStart(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"completed": self.completed, "final_loss": self.final_loss}
+        return {"completed": self.completed, "final_loss": self.final_loss,
+                "reference_fingerprint": self.reference_fingerprint}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.completed = bool(state_dict["completed"])
         self.final_loss = state_dict.get("final_loss")
+        self.reference_fingerprint = state_dict.get("reference_fingerprint")
 
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self.completed or self.steps == 0:
+        if self.steps == 0:
             return
+        reference = getattr(pl_module, "ref_model", None) if self.reset_reference else None
+        if self.completed:
+            if reference is not None:
+                self._replay_on_reference(trainer, pl_module, reference)
+            return
+        problems = self._problems(trainer)
+        self.final_loss = self.fit(pl_module.policy, pl_module.tokenizer, problems, trainer.datamodule.prompt_template)
+        pl_module.policy_version += 1  # weights changed: engines with their own copy must resync
+        if reference is not None:
+            reference.load_state_dict(pl_module.policy.state_dict())
+            self.reference_fingerprint = fingerprint(reference)
+        self.completed = True
+        rank_zero_info(f"SupervisedWarmStart: {self.steps} steps on {len(problems)} problems, "
+                       f"final loss {self.final_loss:.3f}" + ("; reference = warmed-up policy" if reference else ""))
+
+    @staticmethod
+    def _problems(trainer: "pl.Trainer") -> list:
         problems = trainer.datamodule.source.warm_start_problems()
         if not problems:
             raise ValueError("SupervisedWarmStart: the prompt source has no warm-start problems "
                              "(set warm_start_fraction > 0)")
-        self.final_loss = self.fit(pl_module.policy, pl_module.tokenizer, problems, trainer.datamodule.prompt_template)
-        pl_module.policy_version += 1  # weights changed: engines with their own copy must resync
-        self.completed = True
-        rank_zero_info(f"SupervisedWarmStart: {self.steps} steps on {len(problems)} problems, "
-                       f"final loss {self.final_loss:.3f}")
+        return problems
+
+    def _replay_on_reference(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule",
+                             reference: torch.nn.Module) -> None:
+        """After a resume: rebuild the post-warm-start reference by replaying the warm start on it."""
+        device = next(reference.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            trainable = {name for name, p in pl_module.policy.named_parameters() if p.requires_grad}
+            for name, parameter in reference.named_parameters():  # the same parameters train as in the original
+                parameter.requires_grad_(name in trainable)
+            try:
+                self.fit(reference, pl_module.tokenizer, self._problems(trainer), trainer.datamodule.prompt_template)
+            finally:
+                reference.requires_grad_(False).eval()
+        replayed = fingerprint(reference)
+        if self.reference_fingerprint is not None and replayed != self.reference_fingerprint:
+            rank_zero_warn(f"SupervisedWarmStart: the replayed reference differs from the original run's "
+                           f"(fingerprint {replayed} vs {self.reference_fingerprint}); non-deterministic kernels "
+                           f"make the replay inexact, so KL / reference log-ratios differ slightly after this resume")
 
     def fit(self, policy: torch.nn.Module, tokenizer, problems, prompt_template: str = "{prompt}") -> float:
         """Run the warm start on ``policy``; returns the last step's loss."""
@@ -119,3 +167,10 @@ class SupervisedWarmStart(Callback):
             optimizer.step()
         policy.train(was_training)
         return float(loss.detach())
+
+
+def fingerprint(module: torch.nn.Module) -> list[float]:
+    """``[Σθ, Σ|θ|, Σθ²]`` over all parameters in float64: equal for bitwise-equal weights, cheap to store."""
+    flat = [p.detach().double() for p in module.parameters()]
+    return [float(sum(p.sum() for p in flat)), float(sum(p.abs().sum() for p in flat)),
+            float(sum(p.square().sum() for p in flat))]

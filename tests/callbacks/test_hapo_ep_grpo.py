@@ -50,11 +50,13 @@ def test_hapo_reallocates_within_each_response_keeping_sign_and_total():
     assert m["hapo/flow_pos_high"] == pytest.approx((flow[in_q].sum() / 13).item(), rel=1e-5, abs=1e-8)
 
 
-def test_ep_grpo_by_hand():
+@pytest.mark.parametrize("normalize", ["center", "zscore"])
+def test_ep_grpo_by_hand(normalize):
     step = case()
-    ep = EPGRPO(gate_strength=0.5, process_weight=0.1, divergence_temperature=0.5, progress_bins=2)
+    ep = EPGRPO(gate_strength=0.5, process_weight=0.1, divergence_temperature=0.5, progress_bins=2,
+                normalize=normalize)
     shaped = ep.shape_advantages(None, None, step)
-    # By hand: gate, signed tanh, cumulative-entropy progress bins of 2, z-score per (group, bin).
+    # By hand: gate, signed tanh, cumulative-entropy progress bins of 2, centre (z-score) per (group, bin).
     raw = torch.zeros(4, 4)
     cell = torch.zeros(4, 4, dtype=torch.long)
     for i, row in enumerate(MASK):
@@ -63,7 +65,7 @@ def test_ep_grpo_by_hand():
         gate = (1 + 0.5 * (h / h.mean() - 1)).clamp(0.5, 2)
         a = step.advantages[i, 0].item()
         d = torch.tanh((step.old_logprobs[i, :n] - step.ref_logprobs[i, :n]) / 0.5)
-        p = d * (math.copysign(1, a) if a != 0 else 1)
+        p = d * (math.copysign(1, a) if a != 0 else (1 if step.batch.correct[i] else -1))
         raw[i, :n] = gate * (a + 0.1 * p)
         progress = h.cumsum(0) / h.sum()
         cell[i, :n] = (torch.ceil(progress * 2).long() - 1).clamp(0, 1) + 2 * [0, 0, 1, 1][i]
@@ -72,7 +74,8 @@ def test_ep_grpo_by_hand():
     for c in cell[valid].unique():
         in_c = valid & (cell == c)
         x = raw[in_c]
-        expected[in_c] = (x - x.mean()) / (x.std(unbiased=False) + 1e-6)
+        centred = x - x.mean()
+        expected[in_c] = centred / (x.std(unbiased=False) + 1e-6) if normalize == "zscore" else centred
     torch.testing.assert_close(shaped, expected, rtol=1e-4, atol=1e-4)
     m = step.metrics.means()
     assert m["ep_grpo/zero_variance_groups"] == 0  # both groups have a non-zero advantage somewhere
@@ -80,8 +83,13 @@ def test_ep_grpo_by_hand():
 
 def test_ep_grpo_keeps_a_gradient_in_a_zero_variance_group():
     step = case(advantages=(0.0, 0.0, 0.5, -0.5))
-    shaped = EPGRPO(normalize=False).shape_advantages(None, None, step)
+    shaped = EPGRPO(normalize="none").shape_advantages(None, None, step)
     assert shaped[:2].abs().sum() > 0  # the tanh(d) signal, since π_old ≠ π_ref
+    # signed by the outcome: row 0 succeeded (+tanh d), row 1 failed (−tanh d); gate > 0 keeps the sign
+    d = torch.tanh((step.old_logprobs - step.ref_logprobs) / 0.5)
+    valid = torch.tensor(MASK) > 0
+    assert (torch.sign(shaped[0][valid[0]]) == torch.sign(d[0][valid[0]])).all()
+    assert (torch.sign(shaped[1][valid[1]]) == -torch.sign(d[1][valid[1]])).all()
     m = step.metrics.means()
     assert m["ep_grpo/zero_variance_groups"] == 0.5 and m["ep_grpo/zero_variance_with_gradient"] == 1.0
 
@@ -99,6 +107,6 @@ def test_in_a_fit(tiny_model_dir, memory_logger, callback):
 def test_invalid_arguments():
     for cls, kwargs in ((HAPO, {"strength": 1.0}), (HAPO, {"max_multiplier": 1.0}), (HAPO, {"quadrant_quantile": 2}),
                         (EPGRPO, {"gate_low": 0}), (EPGRPO, {"process_weight": -1}), (EPGRPO, {"progress_bins": 0}),
-                        (EPGRPO, {"divergence_temperature": 0})):
+                        (EPGRPO, {"divergence_temperature": 0}), (EPGRPO, {"normalize": True})):
         with pytest.raises(ValueError):
             cls(**kwargs)
