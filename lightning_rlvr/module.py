@@ -27,6 +27,8 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 import tempfile
@@ -71,7 +73,8 @@ class RLVRModule(pl.LightningModule):
     Args:
         model: ``"builtin:tiny"`` (the offline tiny Llama + character tokenizer), a local directory or a hub id
             loaded with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
-        tiny_model: shape of the built-in model (used only with ``"builtin:tiny"``).
+        tiny_model: shape of the built-in model, a ``TinyModelConfig`` or its fields as a dict (stored as a dict, so
+            checkpoints load with ``weights_only=True``; used only with ``"builtin:tiny"``).
         dtype: parameter dtype of the policy (``None`` keeps the checkpoint's; ``"bfloat16"`` on GPUs).
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay.
@@ -98,7 +101,7 @@ class RLVRModule(pl.LightningModule):
     def __init__(
         self,
         model: str = BUILTIN_MODEL,
-        tiny_model: TinyModelConfig | None = None,
+        tiny_model: TinyModelConfig | dict | None = None,
         dtype: Literal["float32", "bfloat16", "float16"] | None = None,
         learning_rate: float = 3e-4,
         weight_decay: float = 0.0,
@@ -122,13 +125,15 @@ class RLVRModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self._validate(locals())
+        if isinstance(tiny_model, TinyModelConfig):
+            tiny_model = dataclasses.asdict(tiny_model)  # plain data: checkpoints load with weights_only=True
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference model is not in checkpoints
         self._tmpdir: tempfile.TemporaryDirectory | None = None
         if model == BUILTIN_MODEL:
             self._tmpdir = tempfile.TemporaryDirectory(prefix="lightning_rlvr_tiny_")
-            self.model_path = build_tiny_model(self._tmpdir.name, tiny_model or TinyModelConfig())
+            self.model_path = build_tiny_model(self._tmpdir.name, TinyModelConfig(**(tiny_model or {})))
         else:
             self.model_path = model
         from transformers import AutoTokenizer

@@ -291,3 +291,63 @@ def test_resume_replays_the_warm_start_on_the_reference_only(tiny_model_dir, tmp
     after_two_steps = {k: v for k, v in fit.lightning_module.policy.state_dict().items()}
     for k, v in after_two_steps.items():  # the policy comes from the checkpoint, not from a second warm start
         torch.testing.assert_close(resumed["policy"][k], v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dynamic_sampling", [False, True], ids=["epoch_position", "refill_sampler"])
+def test_resume_continues_exactly_as_the_uninterrupted_run(tiny_model_dir, tmp_path, dynamic_sampling):
+    """Mid-epoch resume: the next steps' metrics equal the uninterrupted run's.
+
+    Without dynamic sampling the rollouts come from the interrupted epoch's remaining prompts; with it (nothing is
+    informative this early) from the refill sampler's last round — each of the two states is exercised.
+    """
+    from lightning_rlvr.loggers import InMemoryLogger
+
+    def run(max_steps, ckpt_path=None, save=None, seed=0):
+        pl.seed_everything(seed)
+        logger = InMemoryLogger()
+        module = RLVRModule(model=tiny_model_dir, learning_rate=1e-3)
+        data = reverse_data(source=BuiltinTask("reverse", num_digits=3, warm_start_fraction=0.2),
+                            dynamic_sampling=dynamic_sampling,
+                            max_generation_rounds=2)
+        fit = trainer(max_steps, logger=logger, callbacks=[SupervisedWarmStart(steps=3)])
+        fit.fit(module, data, ckpt_path=ckpt_path)
+        if save is not None:
+            fit.save_checkpoint(save)
+        return logger.history
+
+    full = run(6)
+    path = tmp_path / "mid.ckpt"
+    run(3, save=path)
+    checkpoint = torch.load(path, weights_only=True)  # safe loading works: only tensors and plain containers
+    assert checkpoint["RolloutDataModule"]["consumed"] == 3 * 8
+    resumed = run(6, ckpt_path=path, seed=1)  # a fresh process's RNG: everything must come from the checkpoint
+    for key in ("reward/mean", "loss/pg", "entropy/token_mean", "policy/grad_norm", "rollout/generation_rounds"):
+        assert {s: resumed[key][s] for s in (3, 4, 5)} == {s: full[key][s] for s in (3, 4, 5)}, key
+
+
+def test_sigkill_after_a_checkpoint_then_resume_matches_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lightning_rlvr.loggers import InMemoryLogger
+    from resume_run import fit
+
+    full = InMemoryLogger()
+    fit(tiny_model_dir, str(tmp_path / "full"), logger=full)
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
+    killed = subprocess.run([sys.executable, str(here / "resume_run.py"), tiny_model_dir, str(tmp_path / "killed"),
+                             "--kill-after", "3"], env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "killed").iterdir()) == ["epoch=0-step=3.ckpt"]
+    resumed = InMemoryLogger()
+    fit(tiny_model_dir, str(tmp_path / "resumed"), logger=resumed, ckpt_path=str(tmp_path / "killed" / "epoch=0-step=3.ckpt"),
+        seed=123)
+    assert min(resumed.history["loss/pg"]) == 3
+    assert set(resumed.history) == set(full.history)
+    for key in full.history:  # exactly equal (NaN == NaN: a stratum absent in both)
+        expected = {s: v for s, v in full.history[key].items() if s >= 3}
+        assert {s: repr(v) for s, v in resumed.history[key].items()} == {s: repr(v) for s, v in expected.items()}, key

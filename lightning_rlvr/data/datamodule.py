@@ -17,6 +17,10 @@ One rollout of ``prompts_per_step`` prompts:
 5. optionally add DAPO's overlong penalty, and with ``dynamic_sampling`` drop groups whose rewards are all
    equal and generate again for fresh prompts until ``prompts_per_step`` informative groups are kept or
    ``max_generation_rounds`` is reached.
+
+Exact resume: :meth:`RolloutDataModule.state_dict` (in every checkpoint) records the epoch's shuffle seed, the
+prompts already trained, the refill sampler and the global RNG states; after a resume the epoch continues with its
+remaining prompts and the RNG states are set again right before the first rollout.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_rlvr.algorithms.sampling import informative_groups, overlong_penalty
 from lightning_rlvr.data.batch import RolloutBatch
@@ -52,6 +56,60 @@ class _ProblemDataset(Dataset):
 
     def __getitem__(self, index: int) -> Problem:
         return self.problems[index]
+
+
+class _ResumableShuffle(Sampler[int]):
+    """``RandomSampler`` order (a per-epoch seed drawn from torch's global RNG), plus where the epoch stands.
+
+    It draws exactly what ``RandomSampler(shuffle=True)`` draws, so runs are unchanged by it; after a resume it
+    replays the interrupted epoch's permutation from its stored seed, starting after the prompts already trained.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.epoch_seed: int | None = None
+        self.consumed = 0  # prompts of the current epoch handed to a rollout
+        self._resume: tuple[int, int] | None = None
+
+    def resume(self, epoch_seed: int, consumed: int) -> None:
+        self._resume = (epoch_seed, consumed)
+
+    def __len__(self) -> int:
+        return self.size  # the full epoch: Lightning's restored batch counter covers the skipped part
+
+    def __iter__(self):
+        if self._resume is not None:
+            (seed, start), self._resume = self._resume, None
+        else:
+            seed, start = int(torch.empty((), dtype=torch.int64).random_().item()), 0
+        self.epoch_seed, self.consumed = seed, start
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        yield from torch.randperm(self.size, generator=generator).tolist()[start:]
+
+
+def _rng_state() -> dict:
+    """Global RNG states (torch, CUDA, Python, numpy) as tensors / lists, loadable with ``weights_only=True``."""
+    import numpy as np
+
+    name, keys, position, has_gauss, gauss = np.random.get_state()
+    version, python_state, python_gauss = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
+            "python": [version, list(python_state), python_gauss],
+            "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(gauss)]}
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    if state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    version, python_state, python_gauss = state["python"]
+    random.setstate((version, tuple(python_state), python_gauss))
+    name, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
 
 
 def _as_list(items: list[Problem]) -> list[Problem]:
@@ -159,6 +217,31 @@ class RolloutDataModule(pl.LightningDataModule):
         self.tokenizer = None
         self._prompt_cache: dict[str, list[int]] = {}
         self._synced_version: int | None = None
+        self._shuffle: _ResumableShuffle | None = None
+        self._restored: dict | None = None
+
+    # -- exact resume --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Where training stands in the epoch, the refill sampler and the global RNG states (saved in checkpoints).
+
+        Restored by :meth:`load_state_dict`: the interrupted epoch continues with its remaining prompts, and the
+        global RNG states are set again right before the first rollout after the resume — the point the
+        uninterrupted run had reached when the checkpoint was written (Lightning's sanity check is skipped on a
+        restart and isolates its RNG anyway; validation between the checkpoint and the next step does draw from
+        the global RNG, so a checkpoint written right before a validation resumes exactly only if validation
+        draws nothing, e.g. ``val_samples=0``).
+        """
+        shuffle = self._shuffle
+        return {"epoch_seed": None if shuffle is None else shuffle.epoch_seed,
+                "consumed": 0 if shuffle is None else shuffle.consumed,
+                "refill_rng": [self._refill_rng.getstate()[0], list(self._refill_rng.getstate()[1]),
+                               self._refill_rng.getstate()[2]],
+                "rng": _rng_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        version, internal, gauss = state_dict["refill_rng"]
+        self._refill_rng.setstate((version, tuple(internal), gauss))
+        self._restored = state_dict
 
     # -- wiring --------------------------------------------------------------------------------------------
     def connect(self, tokenizer) -> None:
@@ -183,8 +266,16 @@ class RolloutDataModule(pl.LightningDataModule):
         problems = self.source.train_problems()
         if len(problems) < self.prompts_per_step:
             raise ValueError(f"{len(problems)} training problems, fewer than prompts_per_step={self.prompts_per_step}")
-        return DataLoader(_ProblemDataset(problems), batch_size=self.prompts_per_step, shuffle=True, drop_last=True,
-                          collate_fn=_as_list)
+        self._shuffle = _ResumableShuffle(len(problems))
+        restored = self._restored
+        if restored is not None and restored["epoch_seed"] is not None:
+            if restored["consumed"] + self.prompts_per_step <= len(problems):  # resumed inside an epoch
+                self._shuffle.resume(restored["epoch_seed"], restored["consumed"])
+            else:  # the epoch had ended: the next epoch's shuffle draws from the checkpoint's RNG, as it would have
+                _set_rng_state(restored["rng"])
+                self._restored = None
+        return DataLoader(_ProblemDataset(problems), batch_size=self.prompts_per_step, sampler=self._shuffle,
+                          drop_last=True, collate_fn=_as_list)
 
     def val_dataloader(self) -> DataLoader:
         problems = self.source.held_out_problems()[: self.val_max_prompts]
@@ -238,6 +329,11 @@ class RolloutDataModule(pl.LightningDataModule):
         """Generate, verify and batch ``group_size`` completions for each prompt with the current policy."""
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule.rollout called before setup()/connect(tokenizer)")
+        if self._restored is not None:  # the first step after a resume starts from the checkpoint's RNG states
+            _set_rng_state(self._restored["rng"])
+            self._restored = None
+        if self._shuffle is not None:
+            self._shuffle.consumed += len(problems)
         version = self._sync_policy()
         kept: list[_Scored] = []
         all_rows: list[_Scored] = []
