@@ -179,3 +179,29 @@ def test_majority_vote_over_the_first_k_samples(tokenizer, samples, k, majority)
 def test_invalid_arguments_are_rejected_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutDataModule(**kwargs)
+
+
+def test_train_order_is_the_default_shuffle_and_resumes_mid_epoch():
+    from torch.utils.data import DataLoader
+
+    from lightning_rlvr import BuiltinTask
+
+    data = RolloutDataModule(source=BuiltinTask("reverse", num_digits=3), prompts_per_step=8, group_size=2)
+    torch.manual_seed(7)
+    ours = [[p.prompt for p in batch] for batch in data.train_dataloader()]
+    torch.manual_seed(7)  # what DataLoader(shuffle=True) draws from the global RNG: the run is unchanged by resuming
+    problems = data.source.train_problems()
+    reference = [[p.prompt for p in batch] for batch in
+                 DataLoader(problems, batch_size=8, shuffle=True, drop_last=True, collate_fn=list)]
+    assert ours == reference
+
+    torch.manual_seed(7)
+    iterator = iter(data.train_dataloader())
+    for _ in range(3):
+        next(iterator)
+        data._shuffle.consumed += 8  # what rollout() counts for each trained batch
+    state = data.state_dict()
+    fresh = RolloutDataModule(source=BuiltinTask("reverse", num_digits=3), prompts_per_step=8, group_size=2)
+    fresh.load_state_dict(state)
+    torch.manual_seed(99)  # another process: the order comes from the checkpoint
+    assert [[p.prompt for p in batch] for batch in fresh.train_dataloader()] == reference[3:]
