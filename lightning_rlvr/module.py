@@ -378,7 +378,9 @@ class RLVRModule(pl.LightningModule):
                     if bad.item() > 0:
                         finite = False
                         break
-                    self.manual_backward(loss)
+                    # Each rank's loss is its share of the global loss (global normaliser); DDP *averages*
+                    # gradients, so scale by the world size to make the update the global loss's gradient.
+                    self.manual_backward(loss * self.trainer.world_size)
                     with torch.no_grad():
                         sums["pg"] += pg_loss.item()
                         sums["total"] += loss.item()
@@ -465,16 +467,18 @@ class RLVRModule(pl.LightningModule):
         failure = mask - success
         metrics = dict(rollout.stats)
         parts = max(applied, 1)
+        # Loss terms and clip fractions are each rank's share of a global sum; logging averages over ranks.
+        shares = self.trainer.world_size / parts
         metrics.update({
             "entropy/token_mean": _masked_mean(entropy, mask).item(),
             "entropy/successful": _masked_mean(entropy, success).item() if success.sum() > 0 else float("nan"),
             "entropy/failed": _masked_mean(entropy, failure).item() if failure.sum() > 0 else float("nan"),
-            "loss/pg": sums["pg"] / parts,
-            "loss/total": sums["total"] / parts,
-            "policy/clipfrac_high": sums["high"] / parts,
-            "policy/clipfrac_low": sums["low"] / parts,
-            "policy/dual_clipfrac": sums["dual"] / parts,
-            "policy/ppo_kl": sums["ppo_kl"] / parts,
+            "loss/pg": sums["pg"] * shares,
+            "loss/total": sums["total"] * shares,
+            "policy/clipfrac_high": sums["high"] * shares,
+            "policy/clipfrac_low": sums["low"] * shares,
+            "policy/dual_clipfrac": sums["dual"] * shares,
+            "policy/ppo_kl": sums["ppo_kl"] * shares,
             "policy/grad_norm": sums["grad_norm"] / parts,
             "policy/lr": self.optimizers().param_groups[0]["lr"],
             "policy/version": float(self.policy_version),
@@ -482,9 +486,9 @@ class RLVRModule(pl.LightningModule):
             "policy/updates": float(n_updates),
         })
         if self.hparams.kl_coef > 0:
-            metrics["loss/kl"] = sums["kl"] / parts
+            metrics["loss/kl"] = sums["kl"] * shares
         if "extra" in sums:
-            metrics["loss/interventions"] = sums["extra"] / parts
+            metrics["loss/interventions"] = sums["extra"] * shares
         return metrics
 
     # -- validation ----------------------------------------------------------------------------------------
