@@ -266,6 +266,12 @@ class RolloutDataModule(pl.LightningDataModule):
         problems = self.source.train_problems()
         if len(problems) < self.prompts_per_step:
             raise ValueError(f"{len(problems)} training problems, fewer than prompts_per_step={self.prompts_per_step}")
+        if self.trainer is not None and self.trainer.world_size > 1:
+            # Lightning swaps in its DistributedSampler (seeded per epoch, identical on every rank, disjoint
+            # shards); it has no mid-epoch position, so a multi-rank resume restarts the interrupted epoch.
+            self._shuffle = None
+            return DataLoader(_ProblemDataset(problems), batch_size=self.prompts_per_step, shuffle=True,
+                              drop_last=True, collate_fn=_as_list)
         self._shuffle = _ResumableShuffle(len(problems))
         restored = self._restored
         if restored is not None and restored["epoch_seed"] is not None:
