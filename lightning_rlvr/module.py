@@ -28,7 +28,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import math
 import tempfile

@@ -232,10 +232,10 @@ class RolloutDataModule(pl.LightningDataModule):
         draws nothing, e.g. ``val_samples=0``).
         """
         shuffle = self._shuffle
+        version, internal, gauss = self._refill_rng.getstate()
         return {"epoch_seed": None if shuffle is None else shuffle.epoch_seed,
                 "consumed": 0 if shuffle is None else shuffle.consumed,
-                "refill_rng": [self._refill_rng.getstate()[0], list(self._refill_rng.getstate()[1]),
-                               self._refill_rng.getstate()[2]],
+                "refill_rng": [version, list(internal), gauss],
                 "rng": _rng_state()}
 
     def load_state_dict(self, state_dict: dict) -> None:
