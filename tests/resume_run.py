@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -48,4 +47,3 @@ if __name__ == "__main__":
     parser.add_argument("--kill-after", type=int, default=None)
     args = parser.parse_args()
     fit(args.model_dir, args.checkpoint_dir, kill_after=args.kill_after)
-    sys.exit(0)

@@ -269,7 +269,6 @@ def test_resume_replays_the_warm_start_on_the_reference_only(tiny_model_dir, tmp
             def on_train_start(self, trainer, pl_module):
                 seen["ref"] = {k: v.clone() for k, v in pl_module.ref_model.state_dict().items()}
                 seen["policy"] = {k: v.clone() for k, v in pl_module.policy.state_dict().items()}
-                seen["rng"] = torch.get_rng_state()
 
         fit = trainer(max_steps, default_root_dir=tmp_path, callbacks=[warm, Probe()])
         source = BuiltinTask("reverse", num_digits=3, warm_start_fraction=0.2)
@@ -282,14 +281,12 @@ def test_resume_replays_the_warm_start_on_the_reference_only(tiny_model_dir, tmp
     checkpoint = torch.load(path, weights_only=True)
     assert not any(k.startswith("ref_model.") for k in checkpoint["state_dict"])
 
-    pl.seed_everything(0)
     _, _, warm2, resumed = run(3, ckpt_path=path)
     for k, v in first["ref"].items():  # the post-warm-start reference, rebuilt bitwise
         torch.testing.assert_close(resumed["ref"][k], v, rtol=0, atol=0)
     assert warm2.reference_fingerprint == warm.reference_fingerprint
     assert not any("replayed reference differs" in str(w.message) for w in recwarn)
-    after_two_steps = {k: v for k, v in fit.lightning_module.policy.state_dict().items()}
-    for k, v in after_two_steps.items():  # the policy comes from the checkpoint, not from a second warm start
+    for k, v in fit.lightning_module.policy.state_dict().items():  # from the checkpoint, not a second warm start
         torch.testing.assert_close(resumed["policy"][k], v, rtol=0, atol=0)
 
 

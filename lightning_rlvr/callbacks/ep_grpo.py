@@ -30,7 +30,7 @@ of ``p`` and ``A`` over signed tokens), ``ep_grpo/zero_variance_groups`` (share 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -80,7 +80,8 @@ class EPGRPO(Intervention):
 
     def __init__(self, gate_strength: float = 0.5, gate_low: float = 0.5, gate_high: float = 2.0,
                  process_weight: float = 0.1, divergence_temperature: float = 0.5, progress_bins: int = 10,
-                 normalize: str = "center", unsigned_zero_variance: bool = False) -> None:
+                 normalize: Literal["center", "zscore", "none"] = "center",
+                 unsigned_zero_variance: bool = False) -> None:
         if gate_strength < 0:
             raise ValueError(f"EPGRPO: gate_strength must be >= 0, got {gate_strength}")
         if not 0 < gate_low <= 1 <= gate_high:
