@@ -35,8 +35,9 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
 from lightning_rlvr.algorithms import (
@@ -54,11 +55,44 @@ from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, Needs
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
 from lightning_rlvr.ops import TokenStats, nucleus_entropy_and_gap, token_logprobs_and_entropy
+from lightning_rlvr.sharding import fsdp2_shard, global_grad_norm
 
 __all__ = ["RLVRModule"]
 
 BUILTIN_MODEL = "builtin:tiny"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _deepspeed_grad_norm(engine) -> Tensor:
+    """The global gradient norm DeepSpeed computed in its last step (before clipping); NaN if it kept none."""
+    norm = engine.get_global_grad_norm()
+    return torch.tensor(float("nan") if norm is None else float(norm))
+
+
+def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state now, exactly as its first step would (zero moments, step 0).
+
+    Loading a full (single-file) FSDP2 checkpoint distributes the optimizer state into the existing local state,
+    which AdamW otherwise creates only at its first step. One step with zero gradients at learning rate 0 creates
+    it; the step counters are then reset, so training is unchanged.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    learning_rates = [group["lr"] for group in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, learning_rates):
+        group["lr"] = lr
+    for p in params:
+        p.grad = None
+        optimizer.state[p]["step"].zero_()
+
+
+def _drop_reference_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(f"{prefix}ref_model.")]:
+        del state_dict[key]
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -129,6 +163,9 @@ class RLVRModule(pl.LightningModule):
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference model is not in checkpoints
+        # Rebuilt from `model` on load, never saved: dropped from every state dict of the module, so no strategy's
+        # checkpoint (DDP, FSDP2 full or distributed, DeepSpeed) gathers or writes it, nor expects it on load.
+        self.register_state_dict_post_hook(_drop_reference_weights)
         self._tmpdir: tempfile.TemporaryDirectory | None = None
         if model == BUILTIN_MODEL:
             self._tmpdir = tempfile.TemporaryDirectory(prefix="lightning_rlvr_tiny_")
@@ -188,18 +225,58 @@ class RLVRModule(pl.LightningModule):
         )
 
     def configure_model(self) -> None:
-        """Load the policy (and, only when ``kl_coef > 0``, the frozen reference). Idempotent."""
+        """Load the policy (and, only when a KL term or an intervention needs it, the frozen reference). Idempotent.
+
+        Under Lightning's strategies (README "Several GPUs"):
+
+        - ``ModelParallelStrategy`` (FSDP2): both models are sharded here with ``fully_shard``, one unit per
+          transformer block, on the data-parallel mesh; the reference is sharded like the policy.
+        - ``DeepSpeedStrategy``: with ZeRO-3 both models are loaded partitioned (through transformers'
+          ``HfDeepSpeedConfig``, so ``from_pretrained`` fills the partitions); ``max_grad_norm`` becomes DeepSpeed's
+          ``gradient_clipping`` (DeepSpeed clips inside its step).
+        - DDP: nothing to do; Lightning wraps the module.
+        """
         if self.policy is not None:
             return
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if isinstance(strategy, FSDPStrategy):
+            raise ValueError(
+                "RLVRModule: FSDPStrategy (FSDP1) is not supported: it wraps the whole LightningModule and runs "
+                "training_step inside one root forward, while an RL step generates and takes several optimizer steps. "
+                "Use FSDP2 through Lightning's ModelParallelStrategy(data_parallel_size=<devices>, "
+                "tensor_parallel_size=1), as in configs/fsdp.yaml"
+            )
+        hf_deepspeed_config = self._prepare_deepspeed(strategy) if isinstance(strategy, DeepSpeedStrategy) else None
         self.policy = self._load().train()  # from_pretrained returns eval mode
         if self.policy.generation_config.pad_token_id is None:
             self.policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
         if self.hparams.kl_coef > 0 or self.needs().ref_logprobs:
             self.ref_model = self._load().requires_grad_(False).eval()
+        del hf_deepspeed_config  # transformers holds it by weak reference: alive exactly while the models load
+        if isinstance(strategy, ModelParallelStrategy):
+            mesh = self.device_mesh
+            if mesh["tensor_parallel"].size() != 1:
+                raise ValueError(f"RLVRModule: tensor parallelism is not supported (tensor_parallel_size="
+                                 f"{mesh['tensor_parallel'].size()}); set data_parallel_size to the number of devices "
+                                 f"and tensor_parallel_size=1 (FSDP2)")
+            for model in (self.policy, self.ref_model):
+                if model is not None:
+                    fsdp2_shard(model, mesh["data_parallel"])
+
+    def _prepare_deepspeed(self, strategy) -> Any:
+        config = strategy.config
+        clip = self.hparams.max_grad_norm or 0.0
+        if config.get("gradient_clipping") not in (None, 0, 0.0, clip):
+            raise ValueError(f"RLVRModule: the DeepSpeed config sets gradient_clipping={config['gradient_clipping']}; "
+                             f"set RLVRModule(max_grad_norm=...) instead (it is written into the DeepSpeed config)")
+        config["gradient_clipping"] = clip  # read by deepspeed.initialize in strategy.setup, after this hook
+        if not strategy.zero_stage_3:
+            return None
+        from transformers.integrations import HfDeepSpeedConfig
+
+        return HfDeepSpeedConfig(config)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # The reference model is the frozen initial policy: rebuilt from `model` on load, never saved.
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith("ref_model.")}
         checkpoint["policy_version"] = self.policy_version
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -210,6 +287,8 @@ class RLVRModule(pl.LightningModule):
         optimizer = torch.optim.AdamW(
             params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay, betas=self.hparams.betas
         )
+        if isinstance(self._trainer.strategy if self._trainer is not None else None, ModelParallelStrategy):
+            _materialize_optimizer_state(optimizer)
         warmup = self.hparams.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -323,6 +402,8 @@ class RLVRModule(pl.LightningModule):
 
         opt = self.optimizers()
         scheduler = self.lr_schedulers()
+        strategy = self.trainer.strategy
+        deepspeed_engine = strategy.deepspeed_engine if isinstance(strategy, DeepSpeedStrategy) else None
         sums: dict[str, float] = {k: 0.0 for k in ("pg", "kl", "total", "grad_norm", "high", "low", "dual", "ppo_kl")}
         applied = skipped = 0
         # Old-policy stats: from the no-grad pass, or filled micro-batch by micro-batch from the (only) update.
@@ -337,7 +418,8 @@ class RLVRModule(pl.LightningModule):
                 n_tokens = self._global_sum(mb_mask.sum())
                 opt.zero_grad()
                 finite = True
-                for micro_index in mb_index.split(hp.micro_batch_size or len(mb_index)):
+                micro_indices = mb_index.split(hp.micro_batch_size or len(mb_index))
+                for micro_number, micro_index in enumerate(micro_indices):
                     micro = rollout.select(micro_index)
                     stats = self.token_stats(self.policy, micro, entropy_grad=needs.entropy_grad,
                                              with_sbar=needs.flow_stats, nucleus_top_p=needs.nucleus_top_p)
@@ -377,8 +459,13 @@ class RLVRModule(pl.LightningModule):
                     if bad.item() > 0:
                         finite = False
                         break
-                    # Each rank's loss is its share of the global loss (global normaliser); DDP *averages*
-                    # gradients, so scale by the world size to make the update the global loss's gradient.
+                    if deepspeed_engine is not None:
+                        # DeepSpeed reduces (ZeRO: partitions) gradients at an accumulation boundary, and with
+                        # Lightning's gradient_accumulation_steps=1 every backward would be one: micro-batches after
+                        # the first would overwrite, not add to, the reduced gradient.
+                        deepspeed_engine.set_gradient_accumulation_boundary(micro_number == len(micro_indices) - 1)
+                    # Each rank's loss is its share of the global loss (global normaliser); DDP, FSDP and DeepSpeed
+                    # *average* gradients, so scale by the world size to make the update the global loss's gradient.
                     self.manual_backward(loss * self.trainer.world_size)
                     with torch.no_grad():
                         sums["pg"] += pg_loss.item()
@@ -390,7 +477,10 @@ class RLVRModule(pl.LightningModule):
                         sums["low"] += ((pl_out.clipped_low * m).sum() / denom).item()
                         sums["dual"] += ((pl_out.dual_clipped * m).sum() / denom).item()
                         sums["ppo_kl"] += (((old_logprobs - stats.logprobs.detach()) * m).sum() / denom).item()
-                grad_norm = self._grad_norm() if finite else torch.tensor(float("nan"))
+                if deepspeed_engine is not None:  # gradients live in DeepSpeed's partitions: it clips and norms them
+                    grad_norm = torch.tensor(0.0 if finite else float("nan"))
+                else:
+                    grad_norm = self._grad_norm() if finite else torch.tensor(float("nan"))
                 if not finite or not torch.isfinite(grad_norm):
                     rank_zero_warn(
                         f"non-finite {'loss' if not finite else 'gradient norm'} at optimizer step "
@@ -399,9 +489,11 @@ class RLVRModule(pl.LightningModule):
                     opt.zero_grad()
                     skipped += 1
                     continue
-                if hp.max_grad_norm is not None:
+                if hp.max_grad_norm is not None and deepspeed_engine is None:
                     self.clip_gradients(opt, gradient_clip_val=hp.max_grad_norm, gradient_clip_algorithm="norm")
                 opt.step()
+                if deepspeed_engine is not None:
+                    grad_norm = _deepspeed_grad_norm(deepspeed_engine)
                 scheduler.step()
                 self.policy_version += 1
                 applied += 1
@@ -454,10 +546,7 @@ class RLVRModule(pl.LightningModule):
             logger.log_metrics(metrics, step=step)
 
     def _grad_norm(self) -> Tensor:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        if not grads:
-            return torch.tensor(0.0)
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        return global_grad_norm(list(self.policy.parameters()))
 
     def _step_metrics(self, rollout: RolloutBatch, entropy: Tensor, sums: dict[str, float], applied: int,
                       skipped: int, n_updates: int) -> dict[str, float]:

@@ -28,8 +28,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
+
+from lightning_rlvr.sharding import is_dtensor
 
 __all__ = ["SupervisedWarmStart"]
 
@@ -88,6 +91,11 @@ class SupervisedWarmStart(Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.steps == 0:
             return
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            # Its own AdamW over the policy's parameters would see no gradients: DeepSpeed keeps them in its
+            # partitions and steps only its own optimizer.
+            raise ValueError("SupervisedWarmStart does not run under DeepSpeedStrategy: warm-start the model "
+                             "beforehand (e.g. one process, or DDP/FSDP) and train from that checkpoint")
         reference = getattr(pl_module, "ref_model", None) if self.reset_reference else None
         if self.completed:
             if reference is not None:
@@ -170,7 +178,10 @@ class SupervisedWarmStart(Callback):
 
 
 def fingerprint(module: torch.nn.Module) -> list[float]:
-    """``[Σθ, Σ|θ|, Σθ²]`` over all parameters in float64: equal for bitwise-equal weights, cheap to store."""
-    flat = [p.detach().double() for p in module.parameters()]
+    """``[Σθ, Σ|θ|, Σθ²]`` over all parameters in float64: equal for bitwise-equal weights, cheap to store.
+
+    FSDP2 shards are gathered first (a collective: every rank calls it).
+    """
+    flat = [(p.full_tensor() if is_dtensor(p) else p).detach().double() for p in module.parameters()]
     return [float(sum(p.sum() for p in flat)), float(sum(p.abs().sum() for p in flat)),
             float(sum(p.square().sum() for p in flat))]

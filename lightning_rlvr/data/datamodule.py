@@ -35,11 +35,13 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_rlvr.algorithms.sampling import informative_groups, overlong_penalty
 from lightning_rlvr.data.batch import RolloutBatch
+from lightning_rlvr.distributed import all_max, world_size
 from lightning_rlvr.data.sources import BuiltinTask, PromptSource
 from lightning_rlvr.metrics.pass_at_k import pass_at_k
 from lightning_rlvr.metrics.rcea import majority_vote_correct
 from lightning_rlvr.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rlvr.rollout.hf import HFEngine
+from lightning_rlvr.sharding import is_sharded
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers.base import Verifier, VerifierRunner
 from lightning_rlvr.verifiers.exact import ExactMatchVerifier
@@ -347,7 +349,16 @@ class RolloutDataModule(pl.LightningDataModule):
         first_round_zero_std = 0.0
         pending = list(problems)
         last_rows: list[_Scored] = []
+        # A sharded policy (FSDP2, ZeRO-3) generates collectively: every rank must run as many rounds as the
+        # busiest one, so a rank that is done runs idle rounds (one prompt, discarded) until all are done.
+        lockstep = self.dynamic_sampling and world_size() > 1 and is_sharded(self.trainer.lightning_module.policy)
+        idle = False
         while True:
+            if idle:
+                self.engine.generate([self._prompt_ids(pending[0])], self.group_size, self.sampling)
+                if self._all_ranks_done(True):
+                    break
+                continue
             rounds += 1
             rows, round_errors = self._generate_and_score(pending, self.group_size, self.sampling, n_groups_seen)
             errors += round_errors
@@ -367,8 +378,13 @@ class RolloutDataModule(pl.LightningDataModule):
                 break
             kept += [r for r, keep in zip(rows, informative.tolist()) if keep]
             n_groups_kept += n_informative
-            if n_groups_kept >= self.prompts_per_step or rounds >= self.max_generation_rounds:
+            done = n_groups_kept >= self.prompts_per_step or rounds >= self.max_generation_rounds
+            if lockstep and not self._all_ranks_done(done):
+                idle = done  # wait in idle rounds for the other ranks
+            elif done:
                 break
+            if idle:
+                continue
             missing = self.prompts_per_step - n_groups_kept
             pending = self._refill_rng.sample(self.source.train_problems(), missing)
         if self.dynamic_sampling:
@@ -395,6 +411,9 @@ class RolloutDataModule(pl.LightningDataModule):
             "rollout/invalid": sum(r.invalid for r in all_rows) / generated,
         })
         return batch
+
+    def _all_ranks_done(self, done: bool) -> bool:
+        return bool(-all_max(torch.tensor([-float(done)], device=self.trainer.lightning_module.device)).item())
 
     def _shaped_rewards(self, rows: list[_Scored]) -> torch.Tensor:
         rewards = torch.tensor([r.score for r in rows], dtype=torch.float32)

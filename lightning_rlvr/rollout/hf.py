@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_rlvr.distributed import world_size
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
+from lightning_rlvr.sharding import is_sharded
 
 __all__ = ["HFEngine"]
 
@@ -14,7 +16,9 @@ class HFEngine(RolloutEngine):
     """Generates with ``policy.generate`` on the live training module (no weight copy, so sync is free).
 
     The policy is put in eval mode while generating and restored afterwards. Prompts are repeated ``n``
-    times (``num_return_sequences``), so rows come grouped by prompt.
+    times (``num_return_sequences``), so rows come grouped by prompt. When the policy is sharded across ranks
+    (FSDP2, DeepSpeed ZeRO-3) every forward gathers parameters from all ranks, so generation runs with
+    ``synced_gpus=True``: a rank whose completions all ended keeps stepping until every rank is done.
 
     Args:
         use_cache: use the KV cache during generation.
@@ -44,6 +48,7 @@ class HFEngine(RolloutEngine):
             pad_token_id=pad_id,
             eos_token_id=config.eos_token_id,
             use_cache=self.use_cache,
+            synced_gpus=world_size() > 1 and is_sharded(policy),
         )
         if sampling.greedy:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -61,3 +66,4 @@ class HFEngine(RolloutEngine):
             prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
             completion_ids=sequences[:, width:],
         )
+

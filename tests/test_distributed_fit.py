@@ -1,0 +1,192 @@
+"""2-process CPU fits (gloo) under DDP and FSDP2 (Lightning's ModelParallelStrategy).
+
+- With global batch B they make the same losses and parameter update as one process with batch B (under FSDP2 the
+  policy and the reference are sharded, parameters gathered by forward hooks, gradients reduce-scattered).
+- An FSDP2 checkpoint holds no reference weights, loads with ``weights_only=True`` (single-file) and a resumed run
+  continues exactly as the uninterrupted one (single-file and distributed checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader
+
+from lightning_rlvr import RLVRModule, RolloutDataModule
+from lightning_rlvr.callbacks import ClipCov, SupervisedWarmStart, TopEntropyTokens
+from lightning_rlvr.data.sources import PromptSource
+from lightning_rlvr.loggers import InMemoryLogger
+from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine
+from lightning_rlvr.sharding import full_weights, is_sharded
+from lightning_rlvr.tasks import Problem
+from lightning_rlvr.verifiers import CallableVerifier
+
+PROMPTS, GROUP, STEPS = 8, 4, 2
+
+
+class PromptSeededEngine(RolloutEngine):
+    """Completions a function of (prompt, sample index) only, so they do not depend on how ranks split prompts."""
+
+    def __init__(self, token_ids: list[int], eos_id: int, pad_id: int) -> None:
+        self.token_ids, self.eos_id, self.pad_id = token_ids, eos_id, pad_id
+
+    def sync(self, policy, version: int) -> None:
+        pass
+
+    def generate(self, prompts, n, sampling) -> GenerationOutput:
+        rows = []
+        for prompt in prompts:
+            generator = torch.Generator().manual_seed(sum((i + 1) * t for i, t in enumerate(prompt)))
+            for _ in range(n):
+                length = int(torch.randint(1, 4, (1,), generator=generator))
+                picks = torch.randint(len(self.token_ids), (length,), generator=generator).tolist()
+                rows.append([self.token_ids[i] for i in picks] + [self.eos_id])
+        ids = torch.full((len(rows), 4), self.pad_id, dtype=torch.long)
+        for i, row in enumerate(rows):
+            ids[i, : len(row)] = torch.tensor(row)
+        prompt_ids, prompt_mask = self.left_pad(prompts, self.pad_id)
+        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0), ids)
+
+
+class Digits(PromptSource):
+    def train_problems(self):
+        return [Problem(f"{i}{i + 3}=", str(i)) for i in range(PROMPTS)]
+
+    def held_out_problems(self):
+        return []
+
+    def warm_start_problems(self):
+        return self.train_problems()
+
+
+def odd_length(completion: str, answer: str) -> float:
+    return float(len(completion) % 2)
+
+
+class RankShards(RolloutDataModule):
+    """Rank r trains prompts [r·B/W, (r+1)·B/W) every step: one process sees the same global batch in rank order."""
+
+    def train_dataloader(self):
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        problems = self.source.train_problems()
+        share = len(problems) // world
+        return DataLoader([problems[rank * share:(rank + 1) * share]] * 8, batch_size=None, collate_fn=list)
+
+
+def strategy_for(name: str, world: int, distributed_checkpoint: bool = False):
+    if world == 1:
+        return "auto"
+    if name == "fsdp":
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+                                     save_distributed_checkpoint=distributed_checkpoint)
+    return "ddp"
+
+
+def fit(model_dir: str, world: int, strategy: str = "ddp", logger=None, max_steps: int = STEPS,
+        extra_callbacks: tuple = (), ckpt_path: str | None = None,
+        distributed_checkpoint: bool = False) -> dict[str, torch.Tensor]:
+    pl.seed_everything(0, verbose=False)
+    # Clipping active (the global norm matters) and a KL term (the reference is sharded too under FSDP).
+    module = RLVRModule(model=model_dir, learning_rate=1e-2, max_grad_norm=0.05, kl_coef=0.05)
+    token_ids = [module.tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
+    engine = PromptSeededEngine(token_ids, module.tokenizer.eos_token_id, module.tokenizer.pad_token_id)
+    data = RankShards(source=Digits(), engine=engine, verifier=CallableVerifier(odd_length), prompts_per_step=PROMPTS // world,
+                      group_size=GROUP, max_new_tokens=4, val_samples=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy_for(strategy, world, distributed_checkpoint),
+                         max_steps=max_steps, logger=logger or False, enable_checkpointing=bool(extra_callbacks),
+                         enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
+                         use_distributed_sampler=False,
+                         callbacks=[TopEntropyTokens(ratio=0.5), ClipCov(ratio=0.2, lower=-1.0, upper=5.0, seed=3),
+                                    *extra_callbacks])
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    assert is_sharded(module.policy) == (strategy == "fsdp" and world > 1)
+    assert module.ref_model is not None and is_sharded(module.ref_model) == is_sharded(module.policy)
+    # full_weights gathers FSDP2 shards (a collective on every rank) and is the identity on a replicated policy.
+    return {name: tensor.detach().clone() for bucket in full_weights(module.policy, bucket_bytes=4096)
+            for name, tensor in bucket}
+
+
+def worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    logger = InMemoryLogger()
+    weights = fit(model_dir, 2, strategy, logger)
+    torch.save({"weights": weights, "history": logger.history}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_process_fit_equals_one_process_with_the_global_batch(strategy, tiny_model_dir, tmp_path):
+    logger = InMemoryLogger()
+    single = fit(tiny_model_dir, 1, logger=logger)
+    mp.spawn(worker, args=(free_port(), tiny_model_dir, str(tmp_path), strategy), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]  # our own files
+    initial = RLVRModule(model=tiny_model_dir)
+    initial.configure_model()
+    moved = max((single[k] - v).abs().max().item() for k, v in initial.policy.named_parameters())
+    assert moved > 1e-4  # the update is not trivially zero
+    for k, v in single.items():
+        for r in ranks:
+            torch.testing.assert_close(r["weights"][k], v, rtol=1e-4, atol=1e-6)
+    h = logger.history
+    assert any(h["reward/mean"][s] not in (0.0, 1.0) for s in h["reward/mean"])  # informative groups
+    assert all(h["clip_cov/selected_fraction"][s] > 0 for s in range(STEPS))  # Clip-Cov detaches tokens
+    assert all(0 < h["top_entropy/selected_fraction"][s] < 1 for s in range(STEPS))
+    for key in ("loss/pg", "loss/kl", "loss/total", "policy/grad_norm", "policy/clipfrac_high", "policy/ppo_kl", "reward/mean"):
+        for step in range(STEPS):
+            assert abs(ranks[0]["history"][key][step] - h[key][step]) <= 1e-5 + 1e-4 * abs(h[key][step]), key
+
+
+def checkpoint_worker(rank: int, port: int, model_dir: str, out_dir: str, distributed: bool, resume: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    logger = InMemoryLogger()
+    run = "resumed" if resume else "full"
+    callbacks = (SupervisedWarmStart(steps=2, batch_size=4),  # the reference = warmed-up policy, replayed on resume
+                 ModelCheckpoint(dirpath=os.path.join(out_dir, run), every_n_train_steps=1, save_top_k=-1))
+    ckpt_path = os.path.join(out_dir, "full", "epoch=0-step=2.ckpt") if resume else None
+    weights = fit(model_dir, 2, "fsdp", logger, max_steps=3, extra_callbacks=callbacks, ckpt_path=ckpt_path,
+                  distributed_checkpoint=distributed)
+    torch.save({"weights": weights, "history": logger.history}, os.path.join(out_dir, f"{run}{rank}.pt"))
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["single_file", "distributed"])
+def test_fsdp_checkpoint_has_no_reference_and_resumes_exactly(distributed, tiny_model_dir, tmp_path):
+    for resume in (False, True):
+        mp.spawn(checkpoint_worker, args=(free_port(), tiny_model_dir, str(tmp_path), distributed, resume), nprocs=2,
+                 join=True)
+    checkpoint = tmp_path / "full" / "epoch=0-step=2.ckpt"
+    if distributed:  # a folder: one shard file per rank + Lightning's metadata
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = list(FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata)
+    else:
+        state = torch.load(checkpoint, weights_only=True)  # safe loading: tensors and plain containers only
+        keys = list(state["state_dict"])
+        assert state["policy_version"] == 3  # 2 updates + the warm start
+    assert any(".policy." in f".{k}" for k in keys)
+    assert not any("ref_model" in k for k in keys), [k for k in keys if "ref_model" in k][:3]
+    for rank in range(2):
+        full = torch.load(tmp_path / f"full{rank}.pt", weights_only=False)  # our own files
+        resumed = torch.load(tmp_path / f"resumed{rank}.pt", weights_only=False)
+        for key, value in full["weights"].items():
+            torch.testing.assert_close(resumed["weights"][key], value, rtol=0, atol=0)
+        assert set(resumed["history"]["loss/kl"]) == {2}
+        for key, values in resumed["history"].items():
+            assert repr(values[2]) == repr(full["history"][key][2]), key
+    assert full["history"]["loss/kl"][2] > 0  # the reference (rebuilt by the replayed warm start) matters
