@@ -63,6 +63,19 @@ BUILTIN_MODEL = "builtin:tiny"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _deepspeed_next_micro_batch(engine) -> None:
+    """Tell DeepSpeed a new micro-batch starts, as ``DeepSpeedEngine.forward`` does at each of its calls.
+
+    The policy runs inside one engine forward (``training_step``), so the engine never sees the micro-batches:
+    ZeRO-3 counts them (its ``micro_step_id`` moves only here) to add each micro-batch's reduced gradient to the
+    partition instead of overwriting it. Measured on one GPU: without this, ZeRO-3 kept only the last of 4
+    micro-batches' gradients (scripts/gpu_check_strategies.py).
+    """
+    clear = getattr(engine.optimizer, "clear_backward_seen_flag", None)
+    if callable(clear):
+        clear()
+
+
 def _deepspeed_grad_norm(engine) -> Tensor:
     """The global gradient norm DeepSpeed computed in its last step (before clipping); NaN if it kept none."""
     norm = engine.get_global_grad_norm()
@@ -420,6 +433,8 @@ class RLVRModule(pl.LightningModule):
                 finite = True
                 micro_indices = mb_index.split(hp.micro_batch_size or len(mb_index))
                 for micro_number, micro_index in enumerate(micro_indices):
+                    if deepspeed_engine is not None:
+                        _deepspeed_next_micro_batch(deepspeed_engine)
                     micro = rollout.select(micro_index)
                     stats = self.token_stats(self.policy, micro, entropy_grad=needs.entropy_grad,
                                              with_sbar=needs.flow_stats, nucleus_top_p=needs.nucleus_top_p)
@@ -580,6 +595,11 @@ class RLVRModule(pl.LightningModule):
         return metrics
 
     # -- validation ----------------------------------------------------------------------------------------
+    def on_validation_start(self) -> None:
+        # DeepSpeed's engine moves parameters and buffers only: metric states would stay on the CPU.
+        for metric in (self.val_accuracy, self.val_pass_at_k, self.val_maj_at_k):
+            metric.to(self.device)
+
     def validation_step(self, batch: list, batch_idx: int) -> None:
         result = self.trainer.datamodule.evaluate(batch)
         self.val_accuracy.update(result["greedy_correct"].to(self.device))

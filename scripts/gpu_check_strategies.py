@@ -66,8 +66,8 @@ def run_case(case: str, work: Path, accelerator: str = "gpu") -> dict:
                       group_size=4, max_new_tokens=4, val_samples=0)
     base = case.removesuffix("_resume")
     strategy = {"single": "auto", "fsdp": ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
-                "zero2": DeepSpeedStrategy(stage=2, exclude_frozen_parameters=True),
-                "zero3": DeepSpeedStrategy(stage=3, exclude_frozen_parameters=True)}[base]
+                "zero2": DeepSpeedStrategy(stage=2, exclude_frozen_parameters=True, logging_batch_size_per_gpu=1),
+                "zero3": DeepSpeedStrategy(stage=3, exclude_frozen_parameters=True, logging_batch_size_per_gpu=1)}[base]
     logger = InMemoryLogger()
     checkpoints = work / f"{base}_checkpoints"
     trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=STEPS, logger=logger,
@@ -135,7 +135,8 @@ def main() -> int:
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--skip-cli", action="store_true", help="skip the two 30-step CLI runs")
+    parser.add_argument("--cli", nargs="*", default=["fsdp", "deepspeed_zero3"],
+                        help="configs to run for 30 steps through the CLI (none: skip)")
     parser.add_argument("--cases", nargs="+", default=["single", *EQUIVALENCE_CASES, "zero3_resume"],
                         help="which fits to run (default: all)")
     parser.add_argument("--accelerator", default="gpu", help="'cpu' dry-runs the non-DeepSpeed cases")
@@ -174,13 +175,13 @@ def main() -> int:
         ok = len(diffs) == 4 and max(diffs.values()) < 1e-3
         failed |= not ok
         rows.append(("zero3 resume = uninterrupted", "PASS" if ok else "FAIL", f"step {last}: {diffs}"))
-    if not args.skip_cli:
-        for config, extra in (("configs/fsdp.yaml", ["--trainer.strategy.init_args.data_parallel_size", "1"]),
-                              ("configs/deepspeed_zero3.yaml", [])):
-            out = run_cli(config, extra)
-            failed |= not out["ok"]
-            rows.append((config, "PASS" if out["ok"] else "FAIL", f"{out['seconds']:.0f}s" + ("" if out["ok"]
-                                                                                             else "; " + out["tail"])))
+    for name in args.cli:
+        config = f"configs/{name}.yaml"
+        extra = ["--trainer.strategy.init_args.data_parallel_size", "1"] if name == "fsdp" else []
+        out = run_cli(config, extra)
+        failed |= not out["ok"]
+        rows.append((config, "PASS" if out["ok"] else "FAIL",
+                     f"{out['seconds']:.0f}s" + ("" if out["ok"] else "; " + out["tail"])))
     for name, status, detail in rows:
         print(f"{status:5} {name}: {detail}")
     if args.json:

@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 __all__ = ["ArithmeticTask", "Problem", "TaskName"]
 
 TaskName = Literal["addition", "addition3", "reverse"]
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One verifiable problem: the prompt text and its reference answer."""
+class Problem(NamedTuple):
+    """One verifiable problem: the prompt text and its reference answer.
+
+    A ``NamedTuple`` (immutable, hashable) rather than a frozen dataclass: Lightning passes every batch through
+    ``apply_to_collection`` (e.g. DeepSpeed's precision plugin casting float tensors), which rejects frozen
+    dataclasses and rebuilds named tuples.
+    """
 
     prompt: str
     answer: str
