@@ -38,10 +38,8 @@ __all__ = ["block_classes", "fsdp2_shard", "full_weights", "global_grad_norm", "
 
 def is_dtensor(tensor: Any) -> bool:
     """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch < 2.5 keeps it private
-        from torch.distributed._tensor import DTensor
+    from torch.distributed.tensor import DTensor
+
     return isinstance(tensor, DTensor)
 
 
@@ -86,10 +84,8 @@ def fsdp2_shard(model: nn.Module, mesh, reshard_after_forward: bool = True) -> n
         reshard_after_forward: free gathered parameters after each block's forward (ZeRO-3-like, least memory);
             ``False`` keeps them until backward (ZeRO-2-like, fewer all-gathers).
     """
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch 2.4 / 2.5
-        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
+
     classes = block_classes(model)
     for module in list(model.modules()):
         if isinstance(module, classes):
@@ -149,6 +145,6 @@ def global_grad_norm(parameters: list[nn.Parameter]) -> Tensor:
     if not grads:
         return torch.tensor(0.0)
     if any(is_dtensor(g) for g in grads):
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # DTensor-aware (torch >= 2.6)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)  # DTensor-aware
         return norm.full_tensor() if is_dtensor(norm) else norm
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))

@@ -23,6 +23,7 @@ from lightning_rlvr import RLVRModule, RolloutDataModule
 from lightning_rlvr.callbacks import ClipCov, SupervisedWarmStart, TopEntropyTokens
 from lightning_rlvr.data.sources import PromptSource
 from lightning_rlvr.loggers import InMemoryLogger
+from lightning_rlvr.rollout import HFEngine
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine
 from lightning_rlvr.sharding import full_weights, is_sharded
 from lightning_rlvr.tasks import Problem
@@ -190,3 +191,72 @@ def test_fsdp_checkpoint_has_no_reference_and_resumes_exactly(distributed, tiny_
         for key, values in resumed["history"].items():
             assert repr(values[2]) == repr(full["history"][key][2]), key
     assert full["history"]["loss/kl"][2] > 0  # the reference (rebuilt by the replayed warm start) matters
+
+
+class SplitAnswers(Digits):
+    """Rank 0's prompts never score (its first round keeps no group: it refills); rank 1's reward odd lengths."""
+
+    def train_problems(self):
+        return [Problem(f"{i}{i + 3}=", "never" if i < PROMPTS // 2 else "odd") for i in range(PROMPTS)]
+
+
+def odd_if_asked(completion: str, answer: str) -> float:
+    return float(answer == "odd" and len(completion) % 2 == 1)
+
+
+class CollectiveScriptedEngine(PromptSeededEngine):
+    """Runs the sharded policy's own ``generate`` (the collective) but returns prompt-seeded completions, so each
+    rank's number of dynamic-sampling rounds is known in advance."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.hf = HFEngine()
+
+    def sync(self, policy, version: int) -> None:
+        self.hf.sync(policy, version)
+
+    def generate(self, prompts, n, sampling) -> GenerationOutput:
+        self.hf.generate(prompts, n, sampling)
+        return super().generate(prompts, n, sampling)
+
+
+class RoundRecorder(RankShards):
+    def rollout(self, problems):
+        batch = super().rollout(problems)
+        self.rounds.append(batch.stats["rollout/generation_rounds"])
+        return batch
+
+
+def lockstep_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    pl.seed_everything(rank, verbose=False)  # ranks sample differently, as they would in a real run
+    module = RLVRModule(model=model_dir)
+    token_ids = [module.tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
+    engine = CollectiveScriptedEngine(token_ids, module.tokenizer.eos_token_id, module.tokenizer.pad_token_id)
+    data = RoundRecorder(source=SplitAnswers(), engine=engine, verifier=CallableVerifier(odd_if_asked),
+                         prompts_per_step=PROMPTS // 2, group_size=8, max_new_tokens=4, val_samples=0,
+                         dynamic_sampling=True, max_generation_rounds=3)
+    data.rounds = []
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_for("fsdp", 2), max_steps=STEPS, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False)
+    trainer.fit(module, data)
+    torch.save(data.rounds, os.path.join(out_dir, f"rounds{rank}.pt"))
+
+
+def test_fsdp_dynamic_sampling_with_uneven_rounds_does_not_hang(tiny_model_dir, tmp_path):
+    context = mp.start_processes(lockstep_worker, args=(free_port(), tiny_model_dir, str(tmp_path)), nprocs=2,
+                                 join=False, start_method="spawn")
+    deadline = 180  # seconds: the fit takes ~15 s; a rank waiting for a generation round that never comes hangs
+    for _ in range(deadline):
+        if context.join(timeout=1):
+            break
+    else:
+        for process in context.processes:
+            process.kill()
+        pytest.fail(f"a 2-rank FSDP fit with dynamic sampling did not finish in {deadline} s (ranks out of step)")
+    rounds = [torch.load(tmp_path / f"rounds{rank}.pt") for rank in range(2)]
+    assert all(r >= 2 for r in rounds[0])  # rank 0 always refills
+    assert any(r0 != r1 for r0, r1 in zip(*rounds)), rounds  # so ranks needed different numbers of rounds

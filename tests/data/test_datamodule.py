@@ -205,3 +205,33 @@ def test_train_order_is_the_default_shuffle_and_resumes_mid_epoch():
     fresh.load_state_dict(state)
     torch.manual_seed(99)  # another process: the order comes from the checkpoint
     assert [[p.prompt for p in batch] for batch in fresh.train_dataloader()] == reference[3:]
+
+
+def test_sharded_dynamic_sampling_runs_idle_rounds_until_every_rank_is_done(tokenizer, monkeypatch):
+    """A sharded policy generates collectively: a rank that is done generates (and discards) until all are done."""
+    import lightning_rlvr.data.datamodule as datamodule
+
+    ok12, ok2, bad = digits("12") + [EOS], digits("2") + [EOS], digits("99") + [EOS]
+    dm = make_dm(tokenizer, [ok12, bad, ok2, bad], prompts_per_step=2, group_size=2, dynamic_sampling=True,
+                 max_generation_rounds=3)
+    monkeypatch.setattr(datamodule, "world_size", lambda: 2)
+    monkeypatch.setattr(datamodule, "is_sharded", lambda policy: True)
+    others_done = iter([False, False, True])  # the other rank needs two more rounds
+    asked = []
+    monkeypatch.setattr(RolloutDataModule, "_all_ranks_done", lambda self, done: asked.append(done) or next(others_done))
+    batch = dm.rollout(dm.source.train_problems())
+    assert dm.engine.calls == [(2, 2), (1, 2), (1, 2)]  # one real round, then two idle rounds of one prompt
+    assert asked == [True, True, True]
+    assert batch.stats["rollout/generation_rounds"] == 1
+    assert batch.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]  # idle rounds' completions are discarded
+
+
+def test_unsharded_dynamic_sampling_never_synchronises_rounds(tokenizer, monkeypatch):
+    ok12, ok2, bad = digits("12") + [EOS], digits("2") + [EOS], digits("99") + [EOS]
+    dm = make_dm(tokenizer, [ok12, bad, ok2, bad], prompts_per_step=2, group_size=2, dynamic_sampling=True)
+
+    def no_collective(self, done):
+        raise AssertionError("a replicated policy (DDP) generates independently: no collective is needed")
+
+    monkeypatch.setattr(RolloutDataModule, "_all_ranks_done", no_collective)
+    assert len(dm.rollout(dm.source.train_problems())) == 4
