@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
-from lightning_rlvr import RLVRModule, RolloutDataModule
+from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
 from lightning_rlvr.callbacks import ClipCov, SupervisedWarmStart, TopEntropyTokens
 from lightning_rlvr.data.sources import PromptSource
 from lightning_rlvr.loggers import InMemoryLogger
@@ -115,10 +115,15 @@ def fit(model_dir: str, world: int, strategy: str = "ddp", logger=None, max_step
             for name, tensor in bucket}
 
 
-def worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: str) -> None:
+def rank_environment(rank: int, port: int) -> None:
+    """What a launcher sets for rank ``rank`` of 2 on this machine (Lightning then joins the process group)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
+
+
+def worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: str) -> None:
+    rank_environment(rank, port)
     logger = InMemoryLogger()
     weights = fit(model_dir, 2, strategy, logger)
     torch.save({"weights": weights, "history": logger.history}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -153,9 +158,7 @@ def test_two_process_fit_equals_one_process_with_the_global_batch(strategy, tiny
 
 
 def checkpoint_worker(rank: int, port: int, model_dir: str, out_dir: str, distributed: bool, resume: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
-    torch.set_num_threads(1)
+    rank_environment(rank, port)
     logger = InMemoryLogger()
     run = "resumed" if resume else "full"
     callbacks = (SupervisedWarmStart(steps=2, batch_size=4),  # the reference = warmed-up policy, replayed on resume
@@ -228,9 +231,7 @@ class RoundRecorder(RankShards):
 
 
 def lockstep_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
-    torch.set_num_threads(1)
+    rank_environment(rank, port)
     pl.seed_everything(rank, verbose=False)  # ranks sample differently, as they would in a real run
     module = RLVRModule(model=model_dir)
     token_ids = [module.tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
@@ -260,3 +261,55 @@ def test_fsdp_dynamic_sampling_with_uneven_rounds_does_not_hang(tiny_model_dir, 
     rounds = [torch.load(tmp_path / f"rounds{rank}.pt") for rank in range(2)]
     assert all(r >= 2 for r in rounds[0])  # rank 0 always refills
     assert any(r0 != r1 for r0, r1 in zip(*rounds)), rounds  # so ranks needed different numbers of rounds
+
+
+class RankNoise(pl.Callback):
+    """Ranks sample differently, as they drift apart in a real run (Lightning seeds every rank alike)."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        torch.manual_seed(self.base + trainer.global_rank)
+
+
+class PromptRecorder(RolloutDataModule):
+    def rollout(self, problems):
+        self.seen.append([p.prompt for p in problems])
+        return super().rollout(problems)
+
+
+def resume_worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: str, resume: bool) -> None:
+    rank_environment(rank, port)
+    pl.seed_everything(123 if resume else 0, verbose=False)  # the resumed processes are seeded differently
+    run = "resumed" if resume else "full"
+    # The real prompt order (the DataModule's rank-aware sampler) and the real sampling engine (global RNG).
+    data = PromptRecorder(source=BuiltinTask("addition", warm_start_fraction=0.0), prompts_per_step=4, group_size=4,
+                          max_new_tokens=4, val_samples=0)
+    data.seen = []
+    logger = InMemoryLogger()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_for(strategy, 2), max_steps=4, logger=logger,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, log_every_n_steps=1,
+                         callbacks=[TopEntropyTokens(ratio=0.5), RankNoise(2000 if resume else 1000),
+                                    ModelCheckpoint(dirpath=os.path.join(out_dir, run), every_n_train_steps=1,
+                                                    save_top_k=-1)])
+    ckpt_path = os.path.join(out_dir, "full", "epoch=0-step=2.ckpt") if resume else None
+    trainer.fit(RLVRModule(model=model_dir, learning_rate=1e-3), data, ckpt_path=ckpt_path)
+    torch.save({"history": logger.history, "seen": data.seen}, os.path.join(out_dir, f"{run}{rank}.pt"))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_multi_rank_resume_continues_the_epoch_exactly(strategy, tiny_model_dir, tmp_path):
+    for resume in (False, True):
+        mp.spawn(resume_worker, args=(free_port(), tiny_model_dir, str(tmp_path), strategy, resume), nprocs=2,
+                 join=True)
+    full = [torch.load(tmp_path / f"full{rank}.pt", weights_only=False) for rank in range(2)]  # our own files
+    resumed = [torch.load(tmp_path / f"resumed{rank}.pt", weights_only=False) for rank in range(2)]
+    assert not set(sum(full[0]["seen"], [])) & set(sum(full[1]["seen"], []))  # disjoint rank shards
+    for rank in range(2):
+        assert resumed[rank]["seen"] == full[rank]["seen"][2:]  # mid-epoch: the same prompts, not a new epoch
+        history = resumed[rank]["history"]
+        assert set(history["loss/pg"]) == {2, 3}
+        for key, values in history.items():  # every rank's RNG state restored: identical sampling and losses
+            assert {s: repr(v) for s, v in values.items()} == {s: repr(full[rank]["history"][key][s]) for s in values}, key

@@ -19,19 +19,21 @@ One rollout of ``prompts_per_step`` prompts:
    ``max_generation_rounds`` is reached.
 
 Exact resume: :meth:`RolloutDataModule.state_dict` (in every checkpoint) records the epoch's shuffle seed, the
-prompts already trained, the refill sampler and the global RNG states; after a resume the epoch continues with its
-remaining prompts and the RNG states are set again right before the first rollout.
+prompts already trained, the refill sampler and the global RNG states — of every rank when there are several (the
+rank shards are Lightning's ``DistributedSampler`` order); after a resume the epoch continues with its remaining
+prompts and the RNG states are set again right before the first rollout.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightning_rlvr.algorithms.sampling import informative_groups, overlong_penalty
 from lightning_rlvr.data.batch import RolloutBatch
@@ -73,8 +75,12 @@ class _ResumableShuffle(Sampler[int]):
         self.consumed = 0  # prompts of the current epoch handed to a rollout
         self._resume: tuple[int, int] | None = None
 
-    def resume(self, epoch_seed: int, consumed: int) -> None:
-        self._resume = (epoch_seed, consumed)
+    def position(self) -> dict:
+        return {"epoch_seed": self.epoch_seed, "consumed": self.consumed}
+
+    def resume(self, position: dict, inside_epoch: bool) -> None:
+        if inside_epoch:  # else the next epoch's seed is drawn from the (restored) global RNG, as it would have been
+            self._resume = (position["epoch_seed"], position["consumed"])
 
     def __len__(self) -> int:
         return self.size  # the full epoch: Lightning's restored batch counter covers the skipped part
@@ -88,6 +94,36 @@ class _ResumableShuffle(Sampler[int]):
         generator = torch.Generator()
         generator.manual_seed(seed)
         yield from torch.randperm(self.size, generator=generator).tolist()[start:]
+
+
+class _ResumableDistributedShuffle(DistributedSampler):
+    """Lightning's ``DistributedSampler`` order (seeded by ``PL_GLOBAL_SEED`` and the epoch, disjoint rank shards),
+    plus where the epoch stands, so a multi-rank resume continues the interrupted epoch.
+
+    Being a ``DistributedSampler``, Lightning keeps it instead of injecting its own, and calls ``set_epoch`` on it.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+        self.consumed = 0  # this rank's prompts of the current epoch handed to a rollout
+        self.started = False
+        self._resume: tuple[int, int] | None = None
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch if self.started else None, "seed": self.seed, "consumed": self.consumed}
+
+    def resume(self, position: dict, inside_epoch: bool) -> None:
+        self.seed = position["seed"]  # the run's order, even if the resumed process was seeded differently
+        if inside_epoch:
+            self._resume = (position["epoch"], position["consumed"])
+
+    def __iter__(self):
+        start = 0
+        if self._resume is not None:
+            (epoch, consumed), self._resume = self._resume, None
+            start = consumed if epoch == self.epoch else 0
+        self.started, self.consumed = True, start
+        yield from list(super().__iter__())[start:]
 
 
 def _rng_state() -> dict:
@@ -219,7 +255,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.tokenizer = None
         self._prompt_cache: dict[str, list[int]] = {}
         self._synced_version: int | None = None
-        self._shuffle: _ResumableShuffle | None = None
+        self._shuffle: _ResumableShuffle | _ResumableDistributedShuffle | None = None
         self._restored: dict | None = None
 
     # -- exact resume --------------------------------------------------------------------------------------
@@ -231,16 +267,26 @@ class RolloutDataModule(pl.LightningDataModule):
         uninterrupted run had reached when the checkpoint was written (Lightning's sanity check is skipped on a
         restart and isolates its RNG anyway; validation between the checkpoint and the next step does draw from
         the global RNG, so a checkpoint written right before a validation resumes exactly only if validation
-        draws nothing, e.g. ``val_samples=0``).
+        draws nothing, e.g. ``val_samples=0``). With several ranks every rank's position and RNG states are
+        gathered (``per_rank``; checkpoints are written on every rank, so the gather is a collective they all run).
         """
-        shuffle = self._shuffle
         version, internal, gauss = self._refill_rng.getstate()
-        return {"epoch_seed": None if shuffle is None else shuffle.epoch_seed,
-                "consumed": 0 if shuffle is None else shuffle.consumed,
-                "refill_rng": [version, list(internal), gauss],
-                "rng": _rng_state()}
+        state = {**(self._shuffle.position() if self._shuffle is not None else {"consumed": 0}),
+                 "refill_rng": [version, list(internal), gauss], "rng": _rng_state()}
+        if self.trainer is not None and self.trainer.world_size > 1:
+            per_rank: list = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(per_rank, state)
+            return {"per_rank": per_rank}
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if "per_rank" in state_dict:
+            per_rank, world = state_dict["per_rank"], self.trainer.world_size
+            if len(per_rank) != world:
+                rank_zero_warn(f"the checkpoint was written by {len(per_rank)} ranks, this run has {world}: the "
+                               f"interrupted epoch restarts and each rank keeps its own random state")
+                return
+            state_dict = per_rank[self.trainer.global_rank]
         version, internal, gauss = state_dict["refill_rng"]
         self._refill_rng.setstate((version, tuple(internal), gauss))
         self._restored = state_dict
@@ -268,22 +314,23 @@ class RolloutDataModule(pl.LightningDataModule):
         problems = self.source.train_problems()
         if len(problems) < self.prompts_per_step:
             raise ValueError(f"{len(problems)} training problems, fewer than prompts_per_step={self.prompts_per_step}")
+        dataset = _ProblemDataset(problems)
         if self.trainer is not None and self.trainer.world_size > 1:
-            # Lightning swaps in its DistributedSampler (seeded per epoch, identical on every rank, disjoint
-            # shards); it has no mid-epoch position, so a multi-rank resume restarts the interrupted epoch.
-            self._shuffle = None
-            return DataLoader(_ProblemDataset(problems), batch_size=self.prompts_per_step, shuffle=True,
-                              drop_last=True, collate_fn=_as_list)
-        self._shuffle = _ResumableShuffle(len(problems))
+            self._shuffle = _ResumableDistributedShuffle(dataset, seed=int(os.getenv("PL_GLOBAL_SEED", 0)),
+                                                         **self.trainer.strategy.distributed_sampler_kwargs)
+            started = "epoch"
+        else:
+            self._shuffle = _ResumableShuffle(len(problems))
+            started = "epoch_seed"
         restored = self._restored
-        if restored is not None and restored["epoch_seed"] is not None:
-            if restored["consumed"] + self.prompts_per_step <= len(problems):  # resumed inside an epoch
-                self._shuffle.resume(restored["epoch_seed"], restored["consumed"])
-            else:  # the epoch had ended: the next epoch's shuffle draws from the checkpoint's RNG, as it would have
+        if restored is not None and restored.get(started) is not None:
+            inside_epoch = restored["consumed"] + self.prompts_per_step <= len(self._shuffle)
+            self._shuffle.resume(restored, inside_epoch)
+            if not inside_epoch:  # the next epoch's shuffle draws from the checkpoint's RNG states, as it would have
                 _set_rng_state(restored["rng"])
                 self._restored = None
-        return DataLoader(_ProblemDataset(problems), batch_size=self.prompts_per_step, sampler=self._shuffle,
-                          drop_last=True, collate_fn=_as_list)
+        return DataLoader(dataset, batch_size=self.prompts_per_step, sampler=self._shuffle, drop_last=True,
+                          collate_fn=_as_list)
 
     def val_dataloader(self) -> DataLoader:
         problems = self.source.held_out_problems()[: self.val_max_prompts]
