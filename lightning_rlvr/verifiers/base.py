@@ -82,6 +82,10 @@ class _CallTimeout(Exception):
     pass
 
 
+# After its in-worker timer, how long a process-isolated call may take to come back before its worker is killed.
+_KILL_GRACE_S = 2.0
+
+
 def _ping(verifier: Verifier, index: int) -> int:
     # Receiving the verifier unpickles it in the worker, which imports its module (and whatever that imports).
     return index
@@ -194,12 +198,25 @@ class VerifierRunner:
             errors += failed
         return rewards, errors
 
+    def _outcome(self, future: cf.Future, index: int) -> tuple[float, bool]:
+        """A finished call's reward and whether it failed (raised, timed out, non-finite, or its worker died)."""
+        try:
+            return self._check(float(future.result()), index)
+        except _CallTimeout:
+            self._warn(f"exceeded its time limit of {self.timeout_s}s")
+        except cf.process.BrokenProcessPool as err:
+            self._warn(f"worker process died ({err})")
+        except Exception as err:  # noqa: BLE001 - any verifier failure is a zero reward
+            self._warn(f"raised {type(err).__name__}: {err}")
+        return 0.0, True
+
     def _score_pooled(self, completions, answers) -> tuple[list[float], int]:
-        in_process = self.verifier.isolation == "process"
+        if self.verifier.isolation == "process":
+            return self._score_processes(completions, answers)
         rewards = [0.0] * len(completions)
         errors = 0
         futures: dict[cf.Future, int] = {}
-        started: dict[int, float] = {}  # thread isolation: when each call began (its own time limit)
+        started: dict[int, float] = {}  # when each call began (its own time limit)
 
         def timed_call(index: int) -> float:
             started[index] = time.monotonic()
@@ -207,42 +224,19 @@ class VerifierRunner:
 
         def submit(indices) -> set[cf.Future]:
             pool = self._get_pool()
-            if in_process:
-                new = {pool.submit(_score_in_worker, self.verifier, completions[i], answers[i], self.timeout_s): i
-                       for i in indices}
-            else:
-                new = {pool.submit(timed_call, i): i for i in indices}
+            new = {pool.submit(timed_call, i): i for i in indices}
             futures.update(new)
             return set(new)
 
-        def process_deadline(count: int) -> float:
-            # Workers run num_workers calls at a time, each bounded by its in-worker timer; this is the backstop
-            # for a worker stuck in C code where the timer cannot interrupt it.
-            return time.monotonic() + self.timeout_s * math.ceil(count / self.num_workers) + 5.0
-
         not_done = submit(range(len(completions)))
-        deadline = process_deadline(len(not_done))
         while not_done:
             done, not_done = cf.wait(not_done, timeout=0.05, return_when=cf.FIRST_COMPLETED)
             for future in done:
                 index = futures[future]
-                try:
-                    rewards[index], failed = self._check(float(future.result()), index)
-                except _CallTimeout:
-                    self._warn(f"exceeded its time limit of {self.timeout_s}s")
-                    rewards[index], failed = 0.0, True
-                except cf.process.BrokenProcessPool as err:
-                    self._warn(f"worker process died ({err})")
-                    rewards[index], failed = 0.0, True
-                except Exception as err:  # noqa: BLE001 - any verifier failure is a zero reward
-                    self._warn(f"raised {type(err).__name__}: {err}")
-                    rewards[index], failed = 0.0, True
+                rewards[index], failed = self._outcome(future, index)
                 errors += failed
             now = time.monotonic()
-            if in_process:
-                overdue = set(not_done) if now > deadline else set()
-            else:
-                overdue = {f for f in not_done if futures[f] in started and now - started[futures[f]] > self.timeout_s}
+            overdue = {f for f in not_done if futures[f] in started and now - started[futures[f]] > self.timeout_s}
             if not overdue:
                 continue
             self._warn(f"exceeded its time limit of {self.timeout_s}s")
@@ -250,11 +244,49 @@ class VerifierRunner:
                 rewards[futures[future]] = 0.0
                 errors += 1
             not_done -= overdue
-            # Calls queued behind a hung one get a fresh pool; calls already running (threads) keep running.
+            # Calls queued behind a hung one get a fresh pool; calls already running keep running.
             requeue = [futures[f] for f in list(not_done) if f.cancel()]
             not_done = {f for f in not_done if not f.cancelled()}
             self._discard_pool()
             if requeue:
                 not_done |= submit(requeue)
-                deadline = process_deadline(len(requeue))
+        return rewards, errors
+
+    def _score_processes(self, completions, answers) -> tuple[list[float], int]:
+        """Process isolation: at most one call in flight per worker, so a call past its limit is the stuck one.
+
+        The in-worker timer ends a call at ``timeout_s``. A worker stuck in C code, where the timer cannot
+        interrupt it (sympy raising a huge integer to a huge power), is killed ``_KILL_GRACE_S`` later with its
+        pool; the stuck call scores 0 and the calls that were in flight on other workers or still waiting go on
+        in a fresh pool.
+        """
+        rewards = [0.0] * len(completions)
+        errors = 0
+        waiting = list(range(len(completions)))
+        running: dict[cf.Future, tuple[int, float]] = {}  # future -> (call index, when it was handed to a worker)
+        while waiting or running:
+            pool = self._get_pool()
+            while waiting and len(running) < self.num_workers:
+                index = waiting.pop(0)
+                future = pool.submit(_score_in_worker, self.verifier, completions[index], answers[index],
+                                     self.timeout_s)
+                running[future] = (index, time.monotonic())
+            done, _ = cf.wait(running, timeout=0.05, return_when=cf.FIRST_COMPLETED)
+            broken = False
+            for future in done:
+                index, _ = running.pop(future)
+                rewards[index], failed = self._outcome(future, index)
+                errors += failed
+                broken |= isinstance(future.exception(), cf.process.BrokenProcessPool)
+            now = time.monotonic()
+            stuck = [f for f, (_, handed) in running.items() if now - handed > self.timeout_s + _KILL_GRACE_S]
+            if stuck:
+                self._warn(f"exceeded its time limit of {self.timeout_s}s and was killed")
+                for future in stuck:
+                    index, _ = running.pop(future)
+                    rewards[index], errors = 0.0, errors + 1
+            if stuck or broken:
+                waiting = [index for index, _ in running.values()] + waiting  # innocent calls in flight: again
+                running = {}
+                self._discard_pool()
         return rewards, errors

@@ -99,6 +99,7 @@ class MathVerifier(Verifier):
 
     @staticmethod
     def _as_math(text: str) -> str:
+        text = text.replace("\\$", "")  # an escaped dollar is a currency sign, not a math delimiter: \$5 is 5
         text = text.replace(",", "") if re.fullmatch(r"-?[\d,]+(\.\d+)?", text) else text
         # math-verify parses LaTeX inside math delimiters; a bare answer is wrapped.
         return text if "$" in text else f"${text}$"
