@@ -23,6 +23,7 @@ slightly, which is reported as a warning).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -102,7 +103,7 @@ class SupervisedWarmStart(Callback):
                 self._replay_on_reference(trainer, pl_module, reference)
             return
         problems = self._problems(trainer)
-        self.final_loss = self.fit(pl_module.policy, pl_module.tokenizer, problems, trainer.datamodule.prompt_template)
+        self.final_loss = self.fit(pl_module.policy, pl_module.tokenizer, problems, trainer.datamodule.prompt_ids)
         pl_module.policy_version += 1  # weights changed: engines with their own copy must resync
         if reference is not None:
             reference.load_state_dict(pl_module.policy.state_dict())
@@ -128,7 +129,7 @@ class SupervisedWarmStart(Callback):
             for name, parameter in reference.named_parameters():  # the same parameters train as in the original
                 parameter.requires_grad_(name in trainable)
             try:
-                self.fit(reference, pl_module.tokenizer, self._problems(trainer), trainer.datamodule.prompt_template)
+                self.fit(reference, pl_module.tokenizer, self._problems(trainer), trainer.datamodule.prompt_ids)
             finally:
                 reference.requires_grad_(False).eval()
         replayed = fingerprint(reference)
@@ -137,12 +138,18 @@ class SupervisedWarmStart(Callback):
                            f"(fingerprint {replayed} vs {self.reference_fingerprint}); non-deterministic kernels "
                            f"make the replay inexact, so KL / reference log-ratios differ slightly after this resume")
 
-    def fit(self, policy: torch.nn.Module, tokenizer, problems, prompt_template: str = "{prompt}") -> float:
-        """Run the warm start on ``policy``; returns the last step's loss."""
+    def fit(self, policy: torch.nn.Module, tokenizer, problems, prompt_ids: Callable | None = None) -> float:
+        """Run the warm start on ``policy``; returns the last step's loss.
+
+        ``prompt_ids(problem)`` gives the prompt tokens exactly as the rollouts see them (the DataModule's
+        :meth:`~lightning_rlvr.data.RolloutDataModule.prompt_ids`: prompt template, chat template); by default the
+        bare prompt with the tokenizer's special tokens.
+        """
         device = next(policy.parameters()).device
         examples = []
         for problem in problems:
-            prompt = tokenizer(prompt_template.format(prompt=problem.prompt), add_special_tokens=True).input_ids
+            prompt = (prompt_ids(problem) if prompt_ids is not None
+                      else tokenizer(problem.prompt, add_special_tokens=True).input_ids)
             answer = tokenizer(problem.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
             examples.append((prompt, answer))
         pad = tokenizer.pad_token_id

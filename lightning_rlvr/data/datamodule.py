@@ -182,6 +182,9 @@ class RolloutDataModule(pl.LightningDataModule):
         top_p: nucleus sampling (1.0 = off).
         top_k: top-k sampling (0 = off).
         prompt_template: ``str.format`` template applied to each prompt (``{prompt}``).
+        chat_template: format prompts with the tokenizer's chat template (instruct / chat models): the templated
+            prompt is the user message, and the assistant's generation prompt is appended.
+        system_prompt: a system message before the user message (only with ``chat_template``).
         dynamic_sampling: DAPO dynamic sampling (keep only groups with non-identical rewards, refill).
         max_generation_rounds: generation rounds allowed per step when dynamic sampling refills.
         overlong_buffer: DAPO's ``L_cache`` (tokens before ``max_new_tokens`` where the length penalty ramps);
@@ -208,6 +211,8 @@ class RolloutDataModule(pl.LightningDataModule):
         top_p: float = 1.0,
         top_k: int = 0,
         prompt_template: str = "{prompt}",
+        chat_template: bool = False,
+        system_prompt: str | None = None,
         dynamic_sampling: bool = False,
         max_generation_rounds: int = 3,
         overlong_buffer: int = 0,
@@ -235,6 +240,8 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
         if "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template must contain '{{prompt}}', got {prompt_template!r}")
+        if system_prompt is not None and not chat_template:
+            raise ValueError("system_prompt needs chat_template=True (a plain prompt has no system message)")
         self.source = source if source is not None else BuiltinTask()
         self.verifier = verifier if verifier is not None else ExactMatchVerifier()
         self.engine = engine if engine is not None else HFEngine()
@@ -242,6 +249,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self.group_size = group_size
         self.sampling = SamplingConfig(max_new_tokens, temperature, top_p, top_k)
         self.prompt_template = prompt_template
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
         self.dynamic_sampling = dynamic_sampling
         self.max_generation_rounds = max_generation_rounds
         self.overlong_buffer = overlong_buffer
@@ -296,6 +305,9 @@ class RolloutDataModule(pl.LightningDataModule):
         """Give the DataModule the policy's tokenizer (done automatically in :meth:`setup` under a Trainer)."""
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id; completions cannot be cut at EOS")
+        if self.chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"chat_template=True but the tokenizer of {tokenizer.name_or_path!r} has no chat template; "
+                             f"use a chat / instruct checkpoint, or chat_template=False (prompt_template alone)")
         self.tokenizer = tokenizer
         self._special_ids = set(tokenizer.all_special_ids)
         self._prompt_cache.clear()
@@ -338,11 +350,24 @@ class RolloutDataModule(pl.LightningDataModule):
                           collate_fn=_as_list)
 
     # -- generation ----------------------------------------------------------------------------------------
-    def _prompt_ids(self, problem: Problem) -> list[int]:
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        """The token ids the policy is prompted with for ``problem`` (cached per prompt text).
+
+        ``prompt_template`` filled with the prompt, then either tokenized with the tokenizer's special tokens or,
+        with ``chat_template=True``, sent as the user message (after an optional system message) through the
+        tokenizer's chat template with the generation prompt appended. The rendered chat text is tokenized
+        without adding special tokens: chat templates write their own (e.g. a BOS), as TRL and verl do.
+        """
         ids = self._prompt_cache.get(problem.prompt)
         if ids is None:
-            text = self.prompt_template.format(prompt=problem.prompt)
-            ids = self.tokenizer(text, add_special_tokens=True).input_ids
+            content = self.prompt_template.format(prompt=problem.prompt)
+            if self.chat_template:
+                messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+                text = self.tokenizer.apply_chat_template(messages + [{"role": "user", "content": content}],
+                                                          add_generation_prompt=True, tokenize=False)
+                ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            else:
+                ids = self.tokenizer(content, add_special_tokens=True).input_ids
             self._prompt_cache[problem.prompt] = ids
         return ids
 
@@ -356,7 +381,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def _generate_and_score(self, problems: list[Problem], n: int, sampling: SamplingConfig,
                             first_group: int = 0) -> tuple[list[_Scored], int]:
-        prompts = [self._prompt_ids(p) for p in problems]
+        prompts = [self.prompt_ids(p) for p in problems]
         out = self.engine.generate(prompts, n, sampling)
         eos = self.tokenizer.eos_token_id
         rows: list[_Scored] = []
@@ -402,7 +427,7 @@ class RolloutDataModule(pl.LightningDataModule):
         idle = False
         while True:
             if idle:
-                self.engine.generate([self._prompt_ids(pending[0])], self.group_size, self.sampling)
+                self.engine.generate([self.prompt_ids(pending[0])], self.group_size, self.sampling)
                 if self._all_ranks_done(True):
                     break
                 continue

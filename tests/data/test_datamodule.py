@@ -235,3 +235,57 @@ def test_unsharded_dynamic_sampling_never_synchronises_rounds(tokenizer, monkeyp
 
     monkeypatch.setattr(RolloutDataModule, "_all_ranks_done", no_collective)
     assert len(dm.rollout(dm.source.train_problems())) == 4
+
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_template_sends_the_templated_prompt_as_the_user_message(tokenizer):
+    tokenizer.chat_template = CHAT
+    ok = digits("12") + [EOS]
+    dm = make_dm(tokenizer, [ok, ok], [Problem("5+7=", "12")], prompts_per_step=1, group_size=2,
+                 prompt_template="{prompt}?", chat_template=True, system_prompt="be brief")
+    problem = Problem("5+7=", "12")
+    # The template rendered by hand; the chat text carries its own special tokens, so none are added.
+    expected = tokenizer("<system>be brief<user>5+7=?<assistant>", add_special_tokens=False).input_ids
+    assert dm.prompt_ids(problem) == expected
+    batch = dm.rollout([problem])
+    assert batch.input_ids[0, : batch.prompt_length].tolist() == expected
+    assert batch.scores.tolist() == [1.0, 1.0]
+
+
+def test_without_chat_template_the_prompt_gets_the_tokenizers_special_tokens(tokenizer):
+    dm = make_dm(tokenizer, [digits("1") + [EOS]], prompt_template="{prompt}?")
+    assert dm.prompt_ids(Problem("5+7=", "12")) == tokenizer("5+7=?", add_special_tokens=True).input_ids
+
+
+def test_chat_template_needs_a_tokenizer_that_has_one(tokenizer):
+    assert tokenizer.chat_template is None  # the built-in character tokenizer has none
+    with pytest.raises(ValueError, match="has no chat template"):
+        make_dm(tokenizer, [digits("1") + [EOS]], chat_template=True)
+
+
+def test_system_prompt_without_chat_template_is_refused():
+    with pytest.raises(ValueError, match="system_prompt needs chat_template"):
+        RolloutDataModule(system_prompt="be brief")
+
+
+def test_supervised_warm_start_trains_on_the_prompts_the_rollouts_see(tokenizer, tiny_model_dir):
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    from lightning_rlvr.callbacks import SupervisedWarmStart
+
+    tokenizer.chat_template = CHAT
+    problems = [Problem("5+7=", "12"), Problem("1+1=", "2")]
+    dm = make_dm(tokenizer, [digits("1") + [EOS]], problems, chat_template=True)
+    seen = []
+    dm.prompt_ids = lambda problem, original=dm.prompt_ids: seen.append(problem) or original(problem)
+    dm.source.warm_start_problems = lambda: problems
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    module = types.SimpleNamespace(policy=policy, tokenizer=tokenizer, policy_version=0, ref_model=None)
+    trainer = types.SimpleNamespace(strategy=None, datamodule=dm)
+    SupervisedWarmStart(steps=1, batch_size=2).on_fit_start(trainer, module)
+    assert seen == problems  # every warm-start prompt is built by the DataModule (chat template included)
