@@ -65,17 +65,43 @@ class BuiltinTask(PromptSource):
         return self.task.warm_start
 
 
-def load_problems(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer") -> list[Problem]:
-    """Read problems from a ``.jsonl`` or ``.parquet`` file.
+def _load_dataset_directory(path: Path, split: str) -> list:
+    """Rows of a Hugging Face ``datasets`` directory (``save_to_disk``); a ``DatasetDict`` gives ``split``."""
+    try:
+        import datasets
+    except ImportError as err:  # pragma: no cover
+        raise ImportError(f"{path} is a directory: reading a Hugging Face datasets directory needs "
+                          f"`pip install 'lightning_rlvr[datasets]'`") from err
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as err:
+        raise ValueError(f"{path}: not a Hugging Face datasets directory (written by save_to_disk): {err}") from err
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"{path}: no split {split!r}; the dataset has {sorted(loaded)}")
+        loaded = loaded[split]
+    return loaded.to_list()
+
+
+def load_problems(path: str | Path, prompt_field: str = "prompt", answer_field: str = "answer",
+                  split: str = "train") -> list[Problem]:
+    """Read problems from a ``.jsonl`` / ``.parquet`` file or a Hugging Face ``datasets`` directory.
+
+    A ``datasets`` directory (``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``) is read with
+    ``datasets.load_from_disk``; of a ``DatasetDict`` the ``split`` is taken.
 
     Raises:
-        ValueError: naming the file and line (1-based; row for parquet) of a malformed row or missing field.
-        FileNotFoundError: if the file does not exist.
+        ValueError: naming the file and line (1-based; row for parquet and datasets) of a malformed row or missing
+            field, or a missing split.
+        FileNotFoundError: if the path does not exist.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"dataset file {path} does not exist")
-    if path.suffix == ".parquet":
+    if path.is_dir():
+        rows = _load_dataset_directory(path, split)
+        where = "row"
+    elif path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as err:  # pragma: no cover
@@ -114,16 +140,19 @@ def load_problems(path: str | Path, prompt_field: str = "prompt", answer_field: 
 
 
 class FileSource(PromptSource):
-    """Problems from local ``.jsonl`` / ``.parquet`` files with configurable field names.
+    """Problems from local ``.jsonl`` / ``.parquet`` files or Hugging Face ``datasets`` directories.
 
     Args:
-        train_path: training file.
-        held_out_path: held-out file; if ``None``, ``held_out_fraction`` of the training file is held out.
+        train_path: training file or ``datasets`` directory.
+        held_out_path: held-out file or directory (may be ``train_path`` for a ``DatasetDict`` with both splits);
+            if ``None``, ``held_out_fraction`` of the training problems are held out.
         prompt_field: name of the prompt field.
         answer_field: name of the reference-answer field.
         held_out_fraction: share held out when there is no held-out file.
         warm_start_fraction: share of the training problems (with their answers) usable for a warm start.
         seed: split seed.
+        train_split: the split of a ``DatasetDict`` directory to train on.
+        held_out_split: the split of a ``DatasetDict`` directory to hold out.
     """
 
     def __init__(
@@ -135,10 +164,13 @@ class FileSource(PromptSource):
         held_out_fraction: float = 0.1,
         warm_start_fraction: float = 0.0,
         seed: int = 0,
+        train_split: str = "train",
+        held_out_split: str = "test",
     ) -> None:
-        problems = load_problems(train_path, prompt_field, answer_field)
+        problems = load_problems(train_path, prompt_field, answer_field, train_split)
         if held_out_path is not None:
-            self._train, self._held_out = problems, load_problems(held_out_path, prompt_field, answer_field)
+            held_out = load_problems(held_out_path, prompt_field, answer_field, held_out_split)
+            self._train, self._held_out = problems, held_out
         else:
             if not 0.0 < held_out_fraction < 1.0:
                 raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")

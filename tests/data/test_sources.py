@@ -206,3 +206,39 @@ def test_builtin_task_defaults(name, size):
     assert len(train) + len(held) == size
     assert not set(train) & set(held)
     assert set(source.warm_start_problems()) <= set(train)
+
+
+# ---------------------------------------------------------------- Hugging Face datasets directories
+def test_a_datasets_directory_loads_with_field_mapping(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": f"{i}+1=", "solution": f"... #### {i + 1}", "id": i} for i in range(6)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    problems = load_problems(tmp_path / "ds", prompt_field="question", answer_field="solution")
+    assert problems == [Problem(r["question"], r["solution"]) for r in rows]
+
+
+def test_a_dataset_dict_directory_gives_its_train_and_held_out_splits(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    splits = {"train": [{"prompt": f"{i}+2=", "answer": str(i + 2)} for i in range(5)],
+              "test": [{"prompt": "9+9=", "answer": "18"}]}
+    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(str(tmp_path / "dd"))
+    source = FileSource(str(tmp_path / "dd"), held_out_path=str(tmp_path / "dd"))
+    assert source.train_problems() == [Problem(**row) for row in splits["train"]]
+    assert source.held_out_problems() == [Problem("9+9=", "18")]
+    with pytest.raises(ValueError, match=r"no split 'validation'; the dataset has \['test', 'train'\]"):
+        load_problems(tmp_path / "dd", split="validation")
+
+
+def test_a_datasets_directory_row_missing_a_field_is_named(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": None}]).save_to_disk(
+        str(tmp_path / "ds"))
+    with pytest.raises(ValueError, match=r"row 2: field 'answer' is null"):
+        load_problems(tmp_path / "ds")
+
+
+def test_a_directory_that_is_not_a_dataset_is_refused(tmp_path):
+    pytest.importorskip("datasets")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a Hugging Face datasets directory"):
+        load_problems(tmp_path / "empty")
