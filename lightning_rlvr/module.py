@@ -43,6 +43,7 @@ from torchmetrics import MeanMetric
 from lightning_rlvr.algorithms import (
     AggregationMode,
     KLEstimator,
+    PolicyLossOutput,
     aggregate_loss,
     aggregation_normalizer,
     grpo_advantages,
@@ -142,6 +143,9 @@ class RLVRModule(pl.LightningModule):
         kl_estimator: ``k1``, ``abs``, ``k2``, ``k3`` (low-variance) or ``k3+`` (k3 value, k2 gradient).
         logprob_chunk_size: tokens per chunk of the log-prob/entropy kernel (bounds the float32 softmax).
         trust_remote_code: passed to ``from_pretrained``.
+        engine_is_cap: truncated importance sampling against a rollout engine's own log-probs (vLLM): weight each
+            token's policy loss by ``min(π_old / π_engine, engine_is_cap)`` (``None`` = off; 2–3 as in verl/TRL).
+            The mismatch is logged as ``rollout/engine_kl`` whenever the engine returns log-probs.
     """
 
     def __init__(
@@ -168,6 +172,7 @@ class RLVRModule(pl.LightningModule):
         kl_estimator: KLEstimator = "k3",
         logprob_chunk_size: int = 1024,
         trust_remote_code: bool = False,
+        engine_is_cap: float | None = None,
     ) -> None:
         super().__init__()
         self._validate(locals())
@@ -205,6 +210,7 @@ class RLVRModule(pl.LightningModule):
                 raise ValueError(f"RLVRModule: {name} must be > 0, got {value}")
 
         positive("learning_rate")
+        positive("engine_is_cap", allow_none=True)
         for name in ("minibatch_size", "micro_batch_size", "max_grad_norm", "loss_scale_factor"):
             positive(name, allow_none=True)
         for name in ("ppo_epochs", "logprob_chunk_size"):
@@ -449,6 +455,9 @@ class RLVRModule(pl.LightningModule):
                     m = mask[micro_index]
                     pl_out = ppo_clip_loss(stats.logprobs, old_logprobs, token_adv[micro_index], hp.clip_low,
                                            hp.clip_high, hp.dual_clip)
+                    if rollout.engine_logprobs is not None:
+                        pl_out = self._engine_mismatch(pl_out, old_logprobs, rollout.engine_logprobs[micro_index], m,
+                                                       n_tokens, sums)
                     aggregate = functools.partial(aggregate_loss, mask=m, mode=hp.loss_aggregation,
                                                   normalizer=normalizer)
                     if interventions:
@@ -525,6 +534,29 @@ class RLVRModule(pl.LightningModule):
                       on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=n)
         return {"rewards": rollout.rewards.detach(), "entropy": entropy.detach(), "mask": mask.detach()}
 
+    def _engine_mismatch(self, pl_out: PolicyLossOutput, old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor,
+                         n_tokens: Tensor, sums: dict[str, float]) -> PolicyLossOutput:
+        """Measure the sampler/trainer mismatch and, with ``engine_is_cap``, correct it (truncated IS).
+
+        ``rollout/engine_kl`` is the k1 estimate of KL(π_engine ‖ π_old) on the sampled tokens,
+        mean(log π_engine − log π_old). With a cap ``C`` each token's policy loss is weighted by
+        ``min(π_old / π_engine, C)`` (detached): the rollout was sampled by the engine, not by the policy the PPO
+        ratio is taken against (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+        training"; verl's and TRL's ``vllm_importance_sampling_cap``); ``policy/tis_clipfrac`` is the share of
+        tokens at the cap.
+        """
+        with torch.no_grad():
+            log_ratio = old_logprobs.detach() - engine_logprobs
+            denom = n_tokens.clamp_min(1)
+            sums["engine_kl"] = sums.get("engine_kl", 0.0) + ((-log_ratio * mask).sum() / denom).item()
+            if self.hparams.engine_is_cap is None:
+                return pl_out
+            ratio = log_ratio.exp()
+            sums["tis_clip"] = sums.get("tis_clip", 0.0) + (((ratio > self.hparams.engine_is_cap) * mask).sum()
+                                                            / denom).item()
+            weight = ratio.clamp(max=self.hparams.engine_is_cap)
+        return dataclasses.replace(pl_out, loss=pl_out.loss * weight)
+
     def _apply_interventions(self, interventions: list[Intervention], mctx: MicroBatchContext) -> tuple[Tensor, Tensor]:
         """Token weights then extra loss terms, each callback in list order: ``(pg_loss, Σ extra)``."""
         for cb in interventions:
@@ -590,6 +622,10 @@ class RLVRModule(pl.LightningModule):
         })
         if self.hparams.kl_coef > 0:
             metrics["loss/kl"] = sums["kl"] * shares
+        if "engine_kl" in sums:
+            metrics["rollout/engine_kl"] = sums["engine_kl"] * shares
+        if "tis_clip" in sums:
+            metrics["policy/tis_clipfrac"] = sums["tis_clip"] * shares
         if "extra" in sums:
             metrics["loss/interventions"] = sums["extra"] * shares
         return metrics

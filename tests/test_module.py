@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import lightning.pytorch as pl
 import pytest
@@ -348,3 +349,31 @@ def test_sigkill_after_a_checkpoint_then_resume_matches_the_uninterrupted_run(ti
     for key in full.history:  # exactly equal (NaN == NaN: a stratum absent in both)
         expected = {s: v for s, v in full.history[key].items() if s >= 3}
         assert {s: repr(v) for s, v in resumed.history[key].items()} == {s: repr(v) for s, v in expected.items()}, key
+
+
+def test_engine_mismatch_is_measured_and_truncated_importance_sampling_weights_the_loss(tiny_model_dir):
+    from lightning_rlvr.algorithms import ppo_clip_loss
+
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.0]])
+    engine = torch.tensor([[-1.5, -0.5, -0.5], [-0.3, -1.0, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    current = old + 0.1
+    pl_out = ppo_clip_loss(current, old, torch.ones_like(old), 0.2, 0.2, None)
+    for cap in (None, 2.0):
+        module = RLVRModule(model=tiny_model_dir, engine_is_cap=cap)
+        sums: dict[str, float] = {}
+        out = module._engine_mismatch(pl_out, old, engine, mask, mask.sum(), sums)
+        kl = sum((e - o) for e, o, m in zip(engine.flatten().tolist(), old.flatten().tolist(),
+                                            mask.flatten().tolist()) if m) / mask.sum().item()
+        assert sums["engine_kl"] == pytest.approx(kl)
+        if cap is None:
+            assert out is pl_out and "tis_clip" not in sums
+            continue
+        expected_weight = [[min(math.exp(o - e), cap) for o, e in zip(ro, re)] for ro, re in zip(old.tolist(),
+                                                                                              engine.tolist())]
+        torch.testing.assert_close(out.loss, pl_out.loss * torch.tensor(expected_weight))
+        over = [(math.exp(o - e) > cap) * m for o, e, m in zip(old.flatten().tolist(), engine.flatten().tolist(),
+                                                              mask.flatten().tolist())]
+        assert sums["tis_clip"] == pytest.approx(sum(over) / mask.sum().item())  # 2 of 5 valid tokens here
+    with pytest.raises(ValueError, match="engine_is_cap"):
+        RLVRModule(model=tiny_model_dir, engine_is_cap=0.0)

@@ -166,6 +166,7 @@ class _Scored:
     score: float
     truncated: bool
     invalid: bool
+    logprobs: list[float] | None = None  # the engine's log-probs of completion_ids, if it returned them
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -386,6 +387,7 @@ class RolloutDataModule(pl.LightningDataModule):
         eos = self.tokenizer.eos_token_id
         rows: list[_Scored] = []
         to_verify: list[int] = []
+        engine_logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         for i, tokens in enumerate(out.completion_ids.tolist()):
             problem_index = i // n
             try:
@@ -397,7 +399,8 @@ class RolloutDataModule(pl.LightningDataModule):
             invalid = any(t in self._special_ids for t in answer_tokens)
             text = self.tokenizer.decode(answer_tokens, skip_special_tokens=False)
             rows.append(_Scored(first_group + problem_index, prompts[problem_index], tokens[:length], text,
-                                problems[problem_index].answer, 0.0, truncated, invalid))
+                                problems[problem_index].answer, 0.0, truncated, invalid,
+                                None if engine_logprobs is None else engine_logprobs[i][:length]))
             if not truncated and not invalid:
                 to_verify.append(i)
         scores, errors = self.runner.score_batch([rows[i].text for i in to_verify], [rows[i].answer for i in to_verify])
@@ -501,9 +504,13 @@ class RolloutDataModule(pl.LightningDataModule):
         width = max(len(r.completion_ids) for r in rows)
         completion = torch.full((len(rows), width), pad, dtype=torch.long)
         response_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+        with_logprobs = all(r.logprobs is not None for r in rows)
+        engine_logprobs = torch.zeros((len(rows), width), dtype=torch.float32) if with_logprobs else None
         for i, r in enumerate(rows):
             completion[i, : len(r.completion_ids)] = torch.tensor(r.completion_ids, dtype=torch.long)
             response_mask[i, : len(r.completion_ids)] = 1.0
+            if engine_logprobs is not None:
+                engine_logprobs[i, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
         # Group ids are renumbered 0..n_groups-1 in order of appearance.
         remap: dict[int, int] = {}
         group_ids = torch.tensor([remap.setdefault(r.group, len(remap)) for r in rows], dtype=torch.long)
@@ -525,6 +532,7 @@ class RolloutDataModule(pl.LightningDataModule):
             temperature=self.sampling.temperature,
             completions=[r.text for r in rows],
             answers=[r.answer for r in rows],
+            engine_logprobs=engine_logprobs,
             stats={
                 "reward/mean": rewards.mean().item(),
                 "reward/accuracy": correct.float().mean().item(),

@@ -1,0 +1,221 @@
+"""vLLM rollout engine, colocated: an in-process ``vllm.LLM`` on each rank, its weights pushed from the policy.
+
+The production path on GPUs (``pip install 'lightning_rlvr[vllm]'``). Each rank holds its own engine
+(tensor parallelism 1) sharing the GPU with the trainer, as TRL's and verl's colocated modes do
+(``../shared/PEER_FRAMEWORKS.md`` §2):
+
+- ``sync(policy, version)`` is called by the DataModule when the policy changed. It wakes the weights if the
+  engine sleeps, then streams the policy's *full* weights into vLLM's model in buckets through the model's own
+  ``load_weights`` (the path TRL, OpenRLHF and verl's workers use). The weights come from
+  :func:`lightning_rlvr.sharding.full_weights`, which gathers FSDP2 shards and ZeRO-3 partitions, so every rank
+  runs the sync. Then the prefix cache is reset, since cached KV blocks were computed by the old weights.
+- ``generate`` wakes the KV cache, samples ``n`` completions per prompt with vLLM's ``SamplingParams`` built from
+  the DataModule's sampling settings, returns vLLM's own log-probs of the sampled tokens, and (with
+  ``enable_sleep_mode``) puts the engine to sleep, freeing its GPU memory for the update.
+
+vLLM's log-probs let the trainer measure the sampler/trainer mismatch (vLLM's kernels and precision are not the
+trainer's); ``logprobs_mode="processed_logprobs"`` makes them the log-probs of the distribution actually sampled
+from (after temperature), which is what the trainer computes.
+
+Example::
+
+    >>> engine = VLLMEngine(gpu_memory_utilization=0.3, enable_sleep_mode=True)  # the LLM starts at the first sync
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
+from lightning_rlvr.sharding import full_weights
+
+__all__ = ["VLLMEngine"]
+
+# Where vLLM keeps the model object whose `load_weights` takes (name, tensor) pairs, by engine generation:
+# in-process V1 (the worker wraps the model runner), then V0.
+_MODEL_PATHS = (
+    ("llm_engine", "model_executor", "driver_worker", "worker", "model_runner", "model"),
+    ("llm_engine", "model_executor", "driver_worker", "model_runner", "model"),
+)
+
+
+def _vllm_llm(**kwargs: Any):
+    try:
+        from vllm import LLM
+    except ImportError as err:
+        raise ImportError("VLLMEngine needs vLLM on a CUDA machine: pip install 'lightning_rlvr[vllm]' "
+                          "(use HFEngine, the default, on CPUs)") from err
+    return LLM(**kwargs)
+
+
+def _vllm_sampling_params(**kwargs: Any):
+    from vllm import SamplingParams
+
+    return SamplingParams(**kwargs)
+
+
+class VLLMEngine(RolloutEngine):
+    """Colocated vLLM engine with in-place weight sync.
+
+    Args:
+        model: checkpoint vLLM starts from (its architecture and tokenizer must be the policy's; its weights are
+            replaced at the first sync). ``None``: the policy's own ``name_or_path``.
+        gpu_memory_utilization: share of the GPU vLLM may take (weights + KV cache); the trainer needs the rest.
+        max_model_len: longest prompt + completion in tokens (``None``: the model's).
+        dtype: vLLM's weight and compute dtype.
+        enable_sleep_mode: free vLLM's GPU memory between generations (sleep after generating, wake at the next
+            sync or generation).
+        sleep_level: 1 = weights offloaded to CPU, KV cache dropped; 2 = both dropped (the weights are pushed
+            again on waking).
+        weight_bucket_mb: size of one weight-sync bucket (bounds the gathered, not yet loaded tensors).
+        enforce_eager: no CUDA graphs (slower decoding, faster start, less memory).
+        logprobs_mode: which log-probs vLLM returns; ``"processed_logprobs"`` (after temperature) is what the trainer
+            computes. ``None`` keeps vLLM's default.
+        seed: vLLM's sampling seed (each rank adds its rank, so ranks sample differently).
+        llm_factory: builds the LLM from keyword arguments (default ``vllm.LLM``); for tests and custom setups.
+        sampling_params_factory: builds sampling parameters (default ``vllm.SamplingParams``).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int | None = None,
+        dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16",
+        enable_sleep_mode: bool = False,
+        sleep_level: Literal[1, 2] = 1,
+        weight_bucket_mb: int = 256,
+        enforce_eager: bool = False,
+        logprobs_mode: str | None = "processed_logprobs",
+        seed: int = 0,
+        llm_factory: Callable[..., Any] | None = None,
+        sampling_params_factory: Callable[..., Any] | None = None,
+    ) -> None:
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"VLLMEngine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"VLLMEngine: sleep_level must be 1 or 2, got {sleep_level}")
+        if weight_bucket_mb < 1:
+            raise ValueError(f"VLLMEngine: weight_bucket_mb must be >= 1, got {weight_bucket_mb}")
+        self.model = model
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.enable_sleep_mode = enable_sleep_mode
+        self.sleep_level = sleep_level
+        self.weight_bucket_mb = weight_bucket_mb
+        self.enforce_eager = enforce_eager
+        self.logprobs_mode = logprobs_mode
+        self.seed = seed
+        self.llm_factory = llm_factory or _vllm_llm
+        self.sampling_params_factory = sampling_params_factory or _vllm_sampling_params
+        self.llm: Any = None
+        self.policy: nn.Module | None = None
+        self.version: int | None = None  # the policy version whose weights vLLM holds
+        self._asleep: set[str] = set()  # "weights" / "kv_cache" while sleeping
+
+    # -- engine lifecycle ----------------------------------------------------------------------------------
+    def _start(self, policy: nn.Module) -> None:
+        # The model must live in this process for `load_weights` to reach it (as TRL's colocate mode sets).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        kwargs: dict[str, Any] = dict(
+            model=self.model or policy.config.name_or_path, gpu_memory_utilization=self.gpu_memory_utilization,
+            dtype=self.dtype, enable_sleep_mode=self.enable_sleep_mode, enforce_eager=self.enforce_eager,
+            seed=self.seed + rank, tensor_parallel_size=1,
+        )
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.logprobs_mode is not None:
+            kwargs["logprobs_mode"] = self.logprobs_mode
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per trainer rank
+        self.llm = self.llm_factory(**kwargs)
+
+    def _model(self) -> Any:
+        for path in _MODEL_PATHS:
+            target = self.llm
+            for attribute in path:
+                target = getattr(target, attribute, None)
+                if target is None:
+                    break
+            if target is not None and hasattr(target, "load_weights"):
+                return target
+        tried = ", ".join(".".join(path) for path in _MODEL_PATHS)
+        raise RuntimeError(f"VLLMEngine: cannot reach vLLM's model to load weights into (tried {tried}); this vLLM "
+                           f"version keeps it elsewhere or in another process (is VLLM_ENABLE_V1_MULTIPROCESSING=0?)")
+
+    def _wake(self, tags: list[str]) -> None:
+        asleep = [tag for tag in tags if tag in self._asleep]
+        if asleep:
+            self.llm.wake_up(tags=asleep)
+            self._asleep -= set(asleep)
+
+    def _push_weights(self) -> None:
+        model = self._model()
+        for bucket in full_weights(self.policy, bucket_bytes=self.weight_bucket_mb * 2**20):
+            # Names as in a Hugging Face checkpoint (vLLM maps them onto its fused layers); `_orig_mod.` is what
+            # torch.compile adds.
+            model.load_weights([(name.replace("_orig_mod.", ""), tensor) for name, tensor in bucket])
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    # -- RolloutEngine -------------------------------------------------------------------------------------
+    def sync(self, policy: nn.Module, version: int) -> None:
+        """Push ``policy``'s weights into vLLM if they changed (a collective on sharded policies)."""
+        if self.llm is None:
+            self._start(policy)
+        self.policy = policy
+        if version == self.version:
+            return
+        self._wake(["weights"])
+        self._push_weights()
+        self.version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> GenerationOutput:
+        if self.llm is None or self.policy is None:
+            raise RuntimeError("VLLMEngine.generate called before sync(policy)")
+        if "weights" in self._asleep:
+            self._wake(["weights"])
+            if self.sleep_level == 2:  # level 2 dropped the weights: they must be pushed again
+                self._push_weights()
+        self._wake(["kv_cache"])
+        params = self.sampling_params_factory(
+            n=n, max_tokens=sampling.max_new_tokens, logprobs=0,  # 0: the sampled token's log-prob only
+            **(dict(temperature=0.0) if sampling.greedy else
+               dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1)),
+        )
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        if self.enable_sleep_mode:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
+        return self._to_output(prompts, outputs, n)
+
+    def _to_output(self, prompts: list[list[int]], outputs: list, n: int) -> GenerationOutput:
+        config = self.policy.generation_config
+        pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        if len(outputs) != len(prompts) or any(len(out.outputs) != n for out in outputs):
+            raise RuntimeError(f"vLLM returned {[len(out.outputs) for out in outputs]} completions for "
+                               f"{len(prompts)} prompts × n={n}")
+        rows, logprobs = [], []
+        for out in outputs:
+            for completion in out.outputs:
+                tokens = list(completion.token_ids)
+                rows.append(tokens)
+                if completion.logprobs is None:
+                    raise RuntimeError("vLLM returned no log-probs (SamplingParams.logprobs=0 asks for them)")
+                logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+        width = max(1, max(len(r) for r in rows))
+        completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        completion_logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (tokens, values) in enumerate(zip(rows, logprobs)):
+            completion_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            completion_logprobs[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        prompt_ids, prompt_mask = self.left_pad(prompts, pad_id)
+        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0),
+                                completion_ids, completion_logprobs)
