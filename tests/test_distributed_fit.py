@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -115,15 +116,30 @@ def fit(model_dir: str, world: int, strategy: str = "ddp", logger=None, max_step
             for name, tensor in bucket}
 
 
-def rank_environment(rank: int, port: int) -> None:
-    """What a launcher sets for rank ``rank`` of 2 on this machine (Lightning then joins the process group)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
-    torch.set_num_threads(1)
+def distributed_worker(body):
+    """Run ``body(rank, port, ...)`` as rank ``rank`` of 2 on this machine, and leave the process group cleanly.
+
+    The environment is what a launcher sets (Lightning then joins the process group). Leaving it explicitly
+    matters: a process that exits with the group alive can abort in its C++ teardown ("terminate called without an
+    active exception"), which failed a CI run after the test's own work was done.
+    """
+
+    @functools.wraps(body)
+    def run(rank: int, port: int, *args) -> None:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                          LOCAL_RANK=str(rank), NODE_RANK="0")
+        torch.set_num_threads(1)
+        try:
+            body(rank, port, *args)
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+
+    return run
 
 
+@distributed_worker
 def worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: str) -> None:
-    rank_environment(rank, port)
     logger = InMemoryLogger()
     weights = fit(model_dir, 2, strategy, logger)
     torch.save({"weights": weights, "history": logger.history}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -157,8 +173,8 @@ def test_two_process_fit_equals_one_process_with_the_global_batch(strategy, tiny
             assert abs(ranks[0]["history"][key][step] - h[key][step]) <= 1e-5 + 1e-4 * abs(h[key][step]), key
 
 
+@distributed_worker
 def checkpoint_worker(rank: int, port: int, model_dir: str, out_dir: str, distributed: bool, resume: bool) -> None:
-    rank_environment(rank, port)
     logger = InMemoryLogger()
     run = "resumed" if resume else "full"
     callbacks = (SupervisedWarmStart(steps=2, batch_size=4),  # the reference = warmed-up policy, replayed on resume
@@ -230,8 +246,8 @@ class RoundRecorder(RankShards):
         return batch
 
 
+@distributed_worker
 def lockstep_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    rank_environment(rank, port)
     pl.seed_everything(rank, verbose=False)  # ranks sample differently, as they would in a real run
     module = RLVRModule(model=model_dir)
     token_ids = [module.tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
@@ -279,8 +295,8 @@ class PromptRecorder(RolloutDataModule):
         return super().rollout(problems)
 
 
+@distributed_worker
 def resume_worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: str, resume: bool) -> None:
-    rank_environment(rank, port)
     pl.seed_everything(123 if resume else 0, verbose=False)  # the resumed processes are seeded differently
     run = "resumed" if resume else "full"
     # The real prompt order (the DataModule's rank-aware sampler) and the real sampling engine (global RNG).
