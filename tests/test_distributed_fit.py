@@ -15,9 +15,9 @@ import socket
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
@@ -99,11 +99,11 @@ def fit(model_dir: str, world: int, strategy: str = "ddp", logger=None, max_step
     module = RLVRModule(model=model_dir, learning_rate=1e-2, max_grad_norm=0.05, kl_coef=0.05)
     token_ids = [module.tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
     engine = PromptSeededEngine(token_ids, module.tokenizer.eos_token_id, module.tokenizer.pad_token_id)
-    data = RankShards(source=Digits(), engine=engine, verifier=CallableVerifier(odd_length), prompts_per_step=PROMPTS // world,
-                      group_size=GROUP, max_new_tokens=4, val_samples=0)
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy_for(strategy, world, distributed_checkpoint),
-                         max_steps=max_steps, logger=logger or False, enable_checkpointing=bool(extra_callbacks),
-                         enable_progress_bar=False,
+    data = RankShards(source=Digits(), engine=engine, verifier=CallableVerifier(odd_length),
+                      prompts_per_step=PROMPTS // world, group_size=GROUP, max_new_tokens=4, val_samples=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=world,
+                         strategy=strategy_for(strategy, world, distributed_checkpoint), max_steps=max_steps,
+                         logger=logger or False, enable_checkpointing=bool(extra_callbacks), enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
                          use_distributed_sampler=False,
                          callbacks=[TopEntropyTokens(ratio=0.5), ClipCov(ratio=0.2, lower=-1.0, upper=5.0, seed=3),
@@ -168,7 +168,8 @@ def test_two_process_fit_equals_one_process_with_the_global_batch(strategy, tiny
     assert any(h["reward/mean"][s] not in (0.0, 1.0) for s in h["reward/mean"])  # informative groups
     assert all(h["clip_cov/selected_fraction"][s] > 0 for s in range(STEPS))  # Clip-Cov detaches tokens
     assert all(0 < h["top_entropy/selected_fraction"][s] < 1 for s in range(STEPS))
-    for key in ("loss/pg", "loss/kl", "loss/total", "policy/grad_norm", "policy/clipfrac_high", "policy/ppo_kl", "reward/mean"):
+    for key in ("loss/pg", "loss/kl", "loss/total", "policy/grad_norm", "policy/clipfrac_high", "policy/ppo_kl",
+                "reward/mean"):
         for step in range(STEPS):
             assert abs(ranks[0]["history"][key][step] - h[key][step]) <= 1e-5 + 1e-4 * abs(h[key][step]), key
 
@@ -328,4 +329,5 @@ def test_multi_rank_resume_continues_the_epoch_exactly(strategy, tiny_model_dir,
         history = resumed[rank]["history"]
         assert set(history["loss/pg"]) == {2, 3}
         for key, values in history.items():  # every rank's RNG state restored: identical sampling and losses
-            assert {s: repr(v) for s, v in values.items()} == {s: repr(full[rank]["history"][key][s]) for s in values}, key
+            expected = {s: repr(full[rank]["history"][key][s]) for s in values}
+            assert {s: repr(v) for s, v in values.items()} == expected, key

@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from lightning_rlvr.algorithms.sampling import informative_groups, overlong_penalty
 from lightning_rlvr.data.batch import RolloutBatch
-from lightning_rlvr.distributed import all_max, world_size
 from lightning_rlvr.data.sources import BuiltinTask, PromptSource
+from lightning_rlvr.distributed import all_max, world_size
 from lightning_rlvr.metrics.pass_at_k import pass_at_k
 from lightning_rlvr.metrics.rcea import majority_vote_correct
 from lightning_rlvr.rollout.base import RolloutEngine, SamplingConfig
@@ -307,8 +307,8 @@ class RolloutDataModule(pl.LightningDataModule):
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id; completions cannot be cut at EOS")
         if self.chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"chat_template=True but the tokenizer of {tokenizer.name_or_path!r} has no chat template; "
-                             f"use a chat / instruct checkpoint, or chat_template=False (prompt_template alone)")
+            raise ValueError(f"chat_template=True but the tokenizer of {tokenizer.name_or_path!r} has no chat "
+                             f"template; use a chat / instruct checkpoint, or chat_template=False")
         self.tokenizer = tokenizer
         self._special_ids = set(tokenizer.all_special_ids)
         self._prompt_cache.clear()

@@ -218,7 +218,8 @@ def test_sharded_dynamic_sampling_runs_idle_rounds_until_every_rank_is_done(toke
     monkeypatch.setattr(datamodule, "is_sharded", lambda policy: True)
     others_done = iter([False, False, True])  # the other rank needs two more rounds
     asked = []
-    monkeypatch.setattr(RolloutDataModule, "_all_ranks_done", lambda self, done: asked.append(done) or next(others_done))
+    monkeypatch.setattr(RolloutDataModule, "_all_ranks_done",
+                        lambda self, done: asked.append(done) or next(others_done))
     batch = dm.rollout(dm.source.train_problems())
     assert dm.engine.calls == [(2, 2), (1, 2), (1, 2)]  # one real round, then two idle rounds of one prompt
     assert asked == [True, True, True]

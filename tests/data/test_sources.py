@@ -221,7 +221,8 @@ def test_a_dataset_dict_directory_gives_its_train_and_held_out_splits(tmp_path):
     datasets = pytest.importorskip("datasets")
     splits = {"train": [{"prompt": f"{i}+2=", "answer": str(i + 2)} for i in range(5)],
               "test": [{"prompt": "9+9=", "answer": "18"}]}
-    datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(str(tmp_path / "dd"))
+    dataset_dict = datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()})
+    dataset_dict.save_to_disk(str(tmp_path / "dd"))
     source = FileSource(str(tmp_path / "dd"), held_out_path=str(tmp_path / "dd"))
     assert source.train_problems() == [Problem(**row) for row in splits["train"]]
     assert source.held_out_problems() == [Problem("9+9=", "18")]

@@ -187,7 +187,6 @@ def test_invalid_settings_are_refused_at_construction():
 
 
 def test_without_vllm_installed_the_error_says_how_to_get_it():
-    pytest.importorskip("torch")
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -230,7 +229,6 @@ def test_a_fit_syncs_the_engine_after_each_update_and_logs_the_mismatch(tiny_mod
     import lightning.pytorch as pl
 
     from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
-
     from lightning_rlvr.verifiers import CallableVerifier
 
     engine = make_engine()  # the fake's completions have 1-3 digits: rewarding odd lengths gives informative groups
