@@ -87,6 +87,9 @@ def load_problems(path: str | Path, prompt_field: str = "prompt", answer_field: 
                   split: str = "train") -> list[Problem]:
     """Read problems from a ``.jsonl`` / ``.parquet`` file or a Hugging Face ``datasets`` directory.
 
+    The answer field may hold a list or an object (a code problem's tests); it is kept as its JSON text, which
+    :class:`~lightning_rlvr.verifiers.CodeVerifier` reads.
+
     A ``datasets`` directory (``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``) is read with
     ``datasets.load_from_disk``; of a ``DatasetDict`` the ``split`` is taken.
 
@@ -133,7 +136,10 @@ def load_problems(path: str | Path, prompt_field: str = "prompt", answer_field: 
                 raise ValueError(f"{path}:{where} {index}: missing field {field!r} (has {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"{path}:{where} {index}: field {field!r} is null")
-        problems.append(Problem(str(row[prompt_field]), str(row[answer_field])))
+        answer = row[answer_field]
+        # Structured references (a code problem's list of tests) stay machine-readable: JSON, not Python's repr.
+        answer = json.dumps(answer) if isinstance(answer, (list, dict)) else str(answer)
+        problems.append(Problem(str(row[prompt_field]), answer))
     if not problems:
         raise ValueError(f"{path}: no problems found")
     return problems

@@ -26,6 +26,9 @@ import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+
+# Imported by name: concurrent.futures loads its process module lazily, so cf.process may not exist yet.
+from concurrent.futures.process import BrokenProcessPool
 from typing import Literal
 
 __all__ = ["CallableVerifier", "Isolation", "Verifier", "VerifierRunner"]
@@ -204,7 +207,7 @@ class VerifierRunner:
             return self._check(float(future.result()), index)
         except _CallTimeout:
             self._warn(f"exceeded its time limit of {self.timeout_s}s")
-        except cf.process.BrokenProcessPool as err:
+        except BrokenProcessPool as err:
             self._warn(f"worker process died ({err})")
         except Exception as err:  # noqa: BLE001 - any verifier failure is a zero reward
             self._warn(f"raised {type(err).__name__}: {err}")
@@ -277,7 +280,7 @@ class VerifierRunner:
                 index, _ = running.pop(future)
                 rewards[index], failed = self._outcome(future, index)
                 errors += failed
-                broken |= isinstance(future.exception(), cf.process.BrokenProcessPool)
+                broken |= isinstance(future.exception(), BrokenProcessPool)
             now = time.monotonic()
             stuck = [f for f, (_, handed) in running.items() if now - handed > self.timeout_s + _KILL_GRACE_S]
             if stuck:
