@@ -16,6 +16,7 @@ from lightning_rlvr.cli import build_cli, main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+GPU_CONFIGS = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
 
 
 def test_there_are_configs_to_check():
@@ -23,7 +24,12 @@ def test_there_are_configs_to_check():
                                           "math_jsonl.yaml", "fsdp.yaml", "deepspeed_zero3.yaml"}
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_there_are_gpu_vllm_configs():
+    assert {p.name for p in GPU_CONFIGS} >= {"grpo_math_vllm.yaml", "grpo_math_vllm_clip_cov.yaml",
+                                              "grpo_math_vllm_steer.yaml"}
+
+
+@pytest.mark.parametrize("config", CONFIGS + GPU_CONFIGS, ids=lambda p: p.name)
 def test_every_config_validates_with_print_config(config):
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
@@ -129,3 +135,33 @@ def test_python_dash_m_entry_point_prints_help():
                             cwd=ROOT, timeout=120)
     assert result.returncode == 0
     assert "fit" in result.stdout
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda p: p.name)
+def test_gpu_vllm_configs_train_on_the_cpu_with_a_fake_vllm(config, tiny_model_dir, tmp_path, monkeypatch):
+    """Everything but the hardware: the shipped config with the tiny model, the example math file and a fake vLLM."""
+    from fake_vllm import FakeLLM, fake_sampling_params
+
+    import lightning_rlvr.rollout.vllm as vllm_engine
+
+    llms = []
+    monkeypatch.setattr(vllm_engine, "_vllm_llm", lambda **kwargs: llms.append(FakeLLM(**kwargs)) or llms[-1])
+    monkeypatch.setattr(vllm_engine, "_vllm_sampling_params", fake_sampling_params)
+    monkeypatch.chdir(ROOT)
+    cli = build_cli([
+        "fit", "--config", str(config),
+        "--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.max_steps", "2",
+        "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0",
+        "--trainer.num_sanity_val_steps", "0", "--trainer.default_root_dir", str(tmp_path),
+        "--model.model", tiny_model_dir, "--model.dtype", "float32", "--model.minibatch_size", "8",
+        "--model.micro_batch_size", "4",
+        "--data.source.init_args.train_path", "examples/math_small.jsonl",
+        "--data.source.init_args.held_out_path", "examples/math_small.jsonl",
+        "--data.source.init_args.answer_field", "solution",
+        "--data.chat_template", "false", "--data.prompts_per_step", "4", "--data.group_size", "4",
+        "--data.max_new_tokens", "8", "--data.dynamic_sampling", "false", "--data.verifier_workers", "1",
+    ])
+    assert cli.trainer.global_step == 2
+    (llm,) = llms
+    assert llm.kwargs["model"] == tiny_model_dir and llm.kwargs["enable_sleep_mode"] is True
+    assert any(call[0] == "load_weights" for call in llm.calls)

@@ -241,6 +241,11 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
         if "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template must contain '{{prompt}}', got {prompt_template!r}")
+        try:
+            prompt_template.format(prompt="")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"prompt_template {prompt_template!r} is not a valid str.format template ({err!r}); "
+                             "write literal braces twice, e.g. \\boxed{{}}") from err
         if system_prompt is not None and not chat_template:
             raise ValueError("system_prompt needs chat_template=True (a plain prompt has no system message)")
         self.source = source if source is not None else BuiltinTask()

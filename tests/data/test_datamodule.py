@@ -173,6 +173,7 @@ def test_majority_vote_over_the_first_k_samples(tokenizer, samples, k, majority)
         ({"overlong_buffer": 9, "max_new_tokens": 4}, "overlong_buffer"),
         ({"val_samples": 2, "val_k": 3}, "val_k"),
         ({"prompt_template": "no placeholder"}, "prompt_template"),
+        ({"prompt_template": "{prompt} within \\boxed{}"}, "literal braces twice"),
         ({"temperature": 0.0}, "temperature"),
     ],
 )

@@ -10,53 +10,15 @@ import types
 
 import pytest
 import torch
+from fake_vllm import FakeLLM, fake_sampling_params
 from transformers import AutoModelForCausalLM
 
 from lightning_rlvr.rollout.base import SamplingConfig
 from lightning_rlvr.rollout.vllm import VLLMEngine, _vllm_llm
 
-EOS = 2
-
-
-class FakeLLM:
-    def __init__(self, **kwargs) -> None:
-        self.kwargs = kwargs
-        self.calls: list[tuple] = []
-        self.weights: dict[str, torch.Tensor] = {}
-        model = types.SimpleNamespace(load_weights=self._load_weights)
-        worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model))
-        self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
-            driver_worker=types.SimpleNamespace(worker=worker)))
-
-    def _load_weights(self, pairs) -> None:
-        self.calls.append(("load_weights", tuple(name for name, _ in pairs)))
-        self.weights.update({name: tensor.detach().clone() for name, tensor in pairs})
-
-    def reset_prefix_cache(self) -> None:
-        self.calls.append(("reset_prefix_cache",))
-
-    def sleep(self, level: int) -> None:
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None) -> None:
-        self.calls.append(("wake_up", tuple(tags)))
-
-    def generate(self, prompts, params, use_tqdm=True):
-        self.calls.append(("generate", len(prompts)))
-        self.params = params
-        outputs = []
-        for prompt in prompts:
-            completions = []
-            for k in range(params.n):
-                tokens = [4 + (prompt["prompt_token_ids"][-1] + k) % 10] * (1 + k % 3) + [EOS]
-                logprobs = [{t: types.SimpleNamespace(logprob=-0.1 * (j + 1) - k)} for j, t in enumerate(tokens)]
-                completions.append(types.SimpleNamespace(token_ids=tokens, logprobs=logprobs))
-            outputs.append(types.SimpleNamespace(outputs=completions))
-        return outputs
-
 
 def make_engine(**kwargs) -> VLLMEngine:
-    return VLLMEngine(llm_factory=FakeLLM, sampling_params_factory=lambda **kw: types.SimpleNamespace(**kw), **kwargs)
+    return VLLMEngine(llm_factory=FakeLLM, sampling_params_factory=fake_sampling_params, **kwargs)
 
 
 @pytest.fixture
