@@ -21,7 +21,8 @@ Containment, and why each piece is there:
 - **Files**: the whole mount tree is made read-only (``mount_setattr(AT_RECURSIVE, MOUNT_ATTR_RDONLY)``); a
   size-capped tmpfs at ``/tmp`` is the only writable place and the working directory. ``/proc`` is mounted
   afresh, so no process outside the namespace (the trainer, and its environment) is visible.
-- **Environment**: the launcher is started with an empty environment plus ``PATH``/``LANG``.
+- **Environment**: the launcher is started with an empty environment; the program sees ``PATH``, ``HOME``,
+  ``LANG`` and one-thread settings for OpenMP/OpenBLAS/MKL.
 - **Resources**: per test, ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (address space), ``RLIMIT_FSIZE`` (the
   largest file, which caps stdout and stderr since both go to files) and a wall-clock kill; ``RLIMIT_NOFILE``.
 - **Forged passes**: an assert-style test passes only if the child reaches the end of the test code and writes
@@ -88,10 +89,15 @@ def _make_tree_read_only() -> None:
            "mount_setattr(/, read-only, recursive)")
 
 
-def _drop_all_capabilities() -> None:
+def _empty_bounding_set() -> None:
+    """No capability can ever be regained (through a file capability, say) once this set is empty."""
     for cap in range(64):
         if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:  # EINVAL: past the last
             _check(-1, f"dropping capability {cap} from the bounding set")
+
+
+def _drop_all_capabilities() -> None:
+    _empty_bounding_set()
     header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: all empty (two 32-bit words each)
     _check(_libc.capset(header, data), "capset (drop all capabilities)")
@@ -230,16 +236,19 @@ def _prepare_harness(job: dict) -> None:
         os.setresuid(0, 0, 0)
         _drop_all_capabilities()
     else:
+        _empty_bounding_set()
         os.setgroups([])
         os.setresgid(job["sandbox_gid"], job["sandbox_gid"], job["sandbox_gid"])
-        os.setresuid(sandbox_id, sandbox_id, sandbox_id)
+        os.setresuid(sandbox_id, sandbox_id, sandbox_id)  # leaving uid 0 clears the effective and permitted sets
     # The harness counts as one of its uid's processes; after leaving root the limit holds.
     _set_limit(resource.RLIMIT_NPROC, job["max_processes"] + 1)
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     # Not dumpable: processes of the same uid (the program) cannot open /proc/1/fd or ptrace the harness.
     _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
     os.environ.clear()
-    os.environ.update(PATH="/usr/bin:/bin", HOME="/tmp", LANG="C.UTF-8")
+    # One thread per numerical library: a pool sized to the host's cores would break the process limit on import.
+    os.environ.update(PATH="/usr/bin:/bin", HOME="/tmp", LANG="C.UTF-8", OMP_NUM_THREADS="1",
+                      OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 
 def _run_test_child(program: str, test: dict, index: int, nonce_fd: int, nonce: bytes, job: dict) -> None:
@@ -398,6 +407,8 @@ def _harness(job: dict) -> int:
 def main() -> int:
     job = json.load(sys.stdin)
     started_as_root = os.geteuid() == 0
+    if started_as_root:
+        os.setgroups([])  # root's supplementary groups (root's own group) must not follow the program in
     # Root drops to a fresh uid; anyone else (or root when asked, to test that path) uses a user namespace whose
     # root is the caller's own uid (for root: the fresh uid, so that RLIMIT_NPROC still holds).
     job.update(started_as_root=started_as_root,

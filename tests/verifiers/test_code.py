@@ -258,7 +258,16 @@ def test_parent_environment_is_not_visible(run, monkeypatch):
                "    except OSError:\n        pass\n"
                "print('found' if seen else 'not found', sorted(os.environ))\n")
     result = run(program, expected="found")
-    assert result["stdout"].strip() == "not found ['HOME', 'LANG', 'PATH']"
+    assert result["stdout"].strip() == ("not found ['HOME', 'LANG', 'MKL_NUM_THREADS', 'OMP_NUM_THREADS', "
+                                        "'OPENBLAS_NUM_THREADS', 'PATH']")
+
+
+def test_the_program_holds_no_privilege(run):
+    program = ("import os\nstatus = open('/proc/self/status').read().splitlines()\n"
+               "print(*[line.split()[1] for line in status if line.startswith(('CapEff', 'CapPrm', 'CapBnd'))],"
+               " os.getgroups())\n")
+    result = run(program, expected="root")
+    assert result["stdout"].strip() == "0000000000000000 0000000000000000 0000000000000000 []"
 
 
 def test_a_daemon_started_by_the_program_does_not_outlive_it(run):
