@@ -469,7 +469,8 @@ class RolloutDataModule(pl.LightningDataModule):
             pending = self._refill_rng.sample(self.source.train_problems(), missing)
         if self.dynamic_sampling:
             if n_groups_kept == 0:
-                rank_zero_warn("dynamic sampling kept no informative group; training on the last (zero-advantage) round")
+                rank_zero_warn("dynamic sampling kept no informative group; "
+                               "training on the last (zero-advantage) round")
                 kept, n_groups_kept = last_rows, len(last_rows) // self.group_size
             elif n_groups_kept > self.prompts_per_step:  # truncate to exactly prompts_per_step groups (DAPO)
                 keep_groups = sorted({r.group for r in kept})[: self.prompts_per_step]
@@ -507,15 +508,14 @@ class RolloutDataModule(pl.LightningDataModule):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         prompt_ids, prompt_mask = RolloutEngine.left_pad([r.prompt_ids for r in rows], pad)
         width = max(len(r.completion_ids) for r in rows)
-        completion = torch.full((len(rows), width), pad, dtype=torch.long)
-        response_mask = torch.zeros((len(rows), width), dtype=torch.float32)
+        # Right-padded nested lists, one tensor each (a copy per row would dominate on small batches).
+        completion = torch.tensor([r.completion_ids + [pad] * (width - len(r.completion_ids)) for r in rows],
+                                  dtype=torch.long)
+        response_mask = torch.tensor([[1.0] * len(r.completion_ids) + [0.0] * (width - len(r.completion_ids))
+                                      for r in rows], dtype=torch.float32)
         with_logprobs = all(r.logprobs is not None for r in rows)
-        engine_logprobs = torch.zeros((len(rows), width), dtype=torch.float32) if with_logprobs else None
-        for i, r in enumerate(rows):
-            completion[i, : len(r.completion_ids)] = torch.tensor(r.completion_ids, dtype=torch.long)
-            response_mask[i, : len(r.completion_ids)] = 1.0
-            if engine_logprobs is not None:
-                engine_logprobs[i, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+        engine_logprobs = torch.tensor([list(r.logprobs) + [0.0] * (width - len(r.logprobs)) for r in rows],
+                                       dtype=torch.float32) if with_logprobs else None
         # Group ids are renumbered 0..n_groups-1 in order of appearance.
         remap: dict[int, int] = {}
         group_ids = torch.tensor([remap.setdefault(r.group, len(remap)) for r in rows], dtype=torch.long)

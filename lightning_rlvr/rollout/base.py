@@ -78,10 +78,7 @@ class RolloutEngine(ABC):
     def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
         """Stack token-id lists into left-padded ids and mask."""
         width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            if p:
-                ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-                mask[i, width - len(p) :] = 1
+        # One tensor from nested lists: a copy per row costs more than the whole rest on small batches.
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
         return ids.to(device), mask.to(device)
