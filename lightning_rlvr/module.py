@@ -56,6 +56,7 @@ from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, Needs
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
 from lightning_rlvr.ops import TokenStats, nucleus_entropy_and_gap, token_logprobs_and_entropy
+from lightning_rlvr.ops.fused_logprobs import chunk_rows, hidden_logprobs_and_entropy, hidden_nucleus_entropy_and_gap
 from lightning_rlvr.sharding import fsdp2_shard, global_grad_norm
 
 __all__ = ["RLVRModule"]
@@ -141,7 +142,13 @@ class RLVRModule(pl.LightningModule):
         loss_scale_factor: the constant of ``seq-mean-token-sum-norm`` (default: padded response length).
         kl_coef: weight β of the KL-to-reference term in the loss; the reference model is loaded only if > 0.
         kl_estimator: ``k1``, ``abs``, ``k2``, ``k3`` (low-variance) or ``k3+`` (k3 value, k2 gradient).
-        logprob_chunk_size: tokens per chunk of the log-prob/entropy kernel (bounds the float32 softmax).
+        logprob_chunk_size: tokens per chunk of the log-prob/entropy kernel, which bounds its float32 working set
+            (``None``: as many as fit 32 MiB of float32 logits, e.g. 55 tokens at a 151,936-token vocabulary).
+        fused_logprobs: compute log-probs and entropy from the final hidden states and ``lm_head.weight`` chunk by
+            chunk (:func:`~lightning_rlvr.ops.fused_logprobs.hidden_logprobs_and_entropy`), so the ``N × V``
+            logits never exist, forward or backward: for large vocabularies at long lengths. Needs a plain linear
+            output head (no logit soft-capping or scaling) and an unsharded model (DDP or one device); checked on
+            the first batch against the model's own logits.
         trust_remote_code: passed to ``from_pretrained``.
         engine_is_cap: truncated importance sampling against a rollout engine's own log-probs (vLLM): weight each
             token's policy loss by ``min(π_old / π_engine, engine_is_cap)`` (``None`` = off; 2–3 as in verl/TRL).
@@ -170,7 +177,8 @@ class RLVRModule(pl.LightningModule):
         loss_scale_factor: float | None = None,
         kl_coef: float = 0.0,
         kl_estimator: KLEstimator = "k3",
-        logprob_chunk_size: int = 1024,
+        logprob_chunk_size: int | None = None,
+        fused_logprobs: bool = False,
         trust_remote_code: bool = False,
         engine_is_cap: float | None = None,
     ) -> None:
@@ -198,6 +206,7 @@ class RLVRModule(pl.LightningModule):
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
         self.policy_version = 0
+        self._fused_path_checked = False
         self.val_accuracy = MeanMetric()
         self.val_pass_at_k = MeanMetric()
         self.val_maj_at_k = MeanMetric()
@@ -213,7 +222,9 @@ class RLVRModule(pl.LightningModule):
         positive("engine_is_cap", allow_none=True)
         for name in ("minibatch_size", "micro_batch_size", "max_grad_norm", "loss_scale_factor"):
             positive(name, allow_none=True)
-        for name in ("ppo_epochs", "logprob_chunk_size"):
+        if args["logprob_chunk_size"] is not None and args["logprob_chunk_size"] < 1:
+            raise ValueError(f"RLVRModule: logprob_chunk_size must be >= 1, got {args['logprob_chunk_size']}")
+        for name in ("ppo_epochs",):
             if args[name] < 1:
                 raise ValueError(f"RLVRModule: {name} must be >= 1, got {args[name]}")
         for name in ("weight_decay", "warmup_steps", "kl_coef", "clip_low", "clip_high"):
@@ -265,8 +276,16 @@ class RLVRModule(pl.LightningModule):
                 "Use FSDP2 through Lightning's ModelParallelStrategy(data_parallel_size=<devices>, "
                 "tensor_parallel_size=1), as in configs/fsdp.yaml"
             )
+        zero3 = isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3
+        if self.hparams.fused_logprobs and (isinstance(strategy, ModelParallelStrategy) or zero3):
+            # The lm_head's weight would be a shard outside the root forward that gathers it.
+            raise ValueError("RLVRModule: fused_logprobs=True needs an unsharded model (DDP or one device), not "
+                             f"{type(strategy).__name__}{' ZeRO-3' if zero3 else ''}")
         hf_deepspeed_config = self._prepare_deepspeed(strategy) if isinstance(strategy, DeepSpeedStrategy) else None
         self.policy = self._load().train()  # from_pretrained returns eval mode
+        if self.hparams.fused_logprobs and not isinstance(self.policy.get_output_embeddings(), torch.nn.Linear):
+            raise ValueError(f"RLVRModule: fused_logprobs=True needs a linear output head; "
+                             f"{type(self.policy).__name__} has {type(self.policy.get_output_embeddings()).__name__}")
         if self.policy.generation_config.pad_token_id is None:
             self.policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
         if self.hparams.kl_coef > 0 or self.needs().ref_logprobs:
@@ -329,7 +348,20 @@ class RLVRModule(pl.LightningModule):
     # -- per-token statistics ------------------------------------------------------------------------------
     def token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool = False,
                     with_sbar: bool = False, nucleus_top_p: float | None = None) -> TokenStats:
-        """Log-probs, entropy (``S̄``, nucleus stats) of ``batch``'s completion tokens under ``model``, at its temperature."""
+        """Log-probs and entropy (``S̄``, nucleus stats) of ``batch``'s completion tokens under ``model`` at its τ."""
+        if self.hparams.fused_logprobs:
+            return self._fused_token_stats(model, batch, entropy_grad, with_sbar, nucleus_top_p)
+        logits = self._completion_logits(model, batch)
+        chunk = self.hparams.logprob_chunk_size or chunk_rows(logits.shape[-1])
+        stats = token_logprobs_and_entropy(logits, batch.completion_ids, batch.temperature, chunk,
+                                           entropy_grad=entropy_grad, with_sbar=with_sbar)
+        if nucleus_top_p is not None:
+            stats.nucleus_entropy, stats.top2_gap = nucleus_entropy_and_gap(logits, batch.temperature, nucleus_top_p,
+                                                                            chunk)
+        return stats
+
+    @staticmethod
+    def _completion_logits(model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
         width = batch.completion_ids.shape[1]
         out = model(
             input_ids=batch.input_ids,
@@ -338,15 +370,44 @@ class RLVRModule(pl.LightningModule):
             use_cache=False,
             logits_to_keep=width + 1,  # the lm_head runs only on positions that predict completion tokens
         )
-        logits = out.logits[:, -(width + 1) : -1]
-        stats = token_logprobs_and_entropy(
-            logits, batch.completion_ids, batch.temperature, self.hparams.logprob_chunk_size, entropy_grad=entropy_grad,
-            with_sbar=with_sbar,
-        )
+        return out.logits[:, -(width + 1) : -1]
+
+    def _fused_token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool, with_sbar: bool,
+                           nucleus_top_p: float | None) -> TokenStats:
+        """:meth:`token_stats` from the backbone's last hidden states: the ``lm_head`` never runs."""
+        head = model.get_output_embeddings()
+        width = batch.completion_ids.shape[1]
+        out = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                  position_ids=batch.position_ids, use_cache=False)
+        hidden = out.last_hidden_state[:, -(width + 1) : -1]
+        stats = hidden_logprobs_and_entropy(hidden, head.weight, batch.completion_ids, batch.temperature,
+                                            self.hparams.logprob_chunk_size, entropy_grad=entropy_grad,
+                                            with_sbar=with_sbar, bias=head.bias)
         if nucleus_top_p is not None:
-            stats.nucleus_entropy, stats.top2_gap = nucleus_entropy_and_gap(
-                logits, batch.temperature, nucleus_top_p, self.hparams.logprob_chunk_size)
+            stats.nucleus_entropy, stats.top2_gap = hidden_nucleus_entropy_and_gap(
+                hidden.detach(), head.weight.detach(), batch.temperature, nucleus_top_p,
+                self.hparams.logprob_chunk_size, None if head.bias is None else head.bias.detach())
+        if not self._fused_path_checked:
+            self._check_fused_path(model, batch, stats)
         return stats
+
+    @torch.no_grad()
+    def _check_fused_path(self, model: torch.nn.Module, batch: RolloutBatch, stats: TokenStats) -> None:
+        """Once: the fused log-probs of two rows must match those from the model's own logits."""
+        rows = torch.arange(min(2, len(batch)), device=batch.input_ids.device)
+        sample = batch.select(rows)
+        logits = self._completion_logits(model, sample)
+        expected = token_logprobs_and_entropy(logits, sample.completion_ids, sample.temperature).logprobs
+        got = stats.logprobs[: len(rows)].detach()
+        mask = sample.response_mask.bool()
+        tolerance = 1e-3 if logits.dtype == torch.float32 else 5e-2
+        gap = (got - expected).abs()[mask].max().item() if mask.any() else 0.0
+        if gap > tolerance:
+            raise RuntimeError(
+                f"RLVRModule(fused_logprobs=True): log-probs from {type(model).__name__}'s last hidden states and "
+                f"lm_head differ from its own logits by {gap:.3g}: its output is not a plain linear map of the "
+                "decoder's last hidden state (logit scaling or soft-capping?). Set fused_logprobs=False.")
+        self._fused_path_checked = True
 
     @torch.no_grad()
     def _no_grad_stats(self, model: torch.nn.Module, batch: RolloutBatch, with_sbar: bool = False) -> TokenStats:
@@ -433,7 +494,8 @@ class RLVRModule(pl.LightningModule):
             order = torch.randperm(n, device=self.device) if n_updates > 1 else torch.arange(n, device=self.device)
             for mb_index in order.split(minibatch):
                 mb_mask = mask[mb_index]
-                normalizer = self._global_sum(aggregation_normalizer(mb_mask, hp.loss_aggregation, hp.loss_scale_factor))
+                normalizer = self._global_sum(aggregation_normalizer(mb_mask, hp.loss_aggregation,
+                                                                     hp.loss_scale_factor))
                 n_tokens = self._global_sum(mb_mask.sum())
                 opt.zero_grad()
                 finite = True

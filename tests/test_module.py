@@ -119,6 +119,29 @@ def test_micro_batches_give_the_same_update_as_the_whole_minibatch(tiny_model_di
     torch.testing.assert_close(params[0], params[1], atol=1e-6, rtol=1e-5)
 
 
+def test_fused_hidden_state_logprobs_give_the_same_updates_as_the_logits_path(tiny_model_dir):
+    batch = frozen_rollout(tiny_model_dir)
+    params = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        # Two minibatches: the second update has ratios != 1, so old log-probs, entropy and S̄ all matter.
+        module = RLVRModule(model=tiny_model_dir, fused_logprobs=fused, minibatch_size=16, kl_coef=0.1,
+                            logprob_chunk_size=7)
+        trainer(2).fit(module, FixedRollout(batch, source=BuiltinTask("reverse", num_digits=3), val_samples=0))
+        params.append(torch.cat([p.detach().flatten() for p in module.policy.parameters()]))
+    torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=1e-5)
+
+
+def test_fused_logprobs_refuse_a_model_whose_logits_are_not_a_linear_map_of_its_hidden_state(tiny_model_dir):
+    batch = frozen_rollout(tiny_model_dir)
+    module = RLVRModule(model=tiny_model_dir, fused_logprobs=True)
+    module.configure_model()
+    head = module.policy.lm_head
+    head.forward = lambda hidden: torch.nn.functional.linear(hidden, head.weight) * 2.0  # a logit scale
+    with pytest.raises(RuntimeError, match="not a plain linear map"):
+        module.token_stats(module.policy, batch)
+
+
 def test_several_ppo_epochs_and_minibatches_step_the_optimizer_each_time(tiny_model_dir, memory_logger):
     batch = frozen_rollout(tiny_model_dir)
     module = RLVRModule(model=tiny_model_dir, ppo_epochs=2, minibatch_size=8, learning_rate=1e-3)
@@ -224,6 +247,7 @@ def test_an_off_policy_rollout_is_refused(tiny_model_dir):
         ({"kl_estimator": "k4"}, "kl_estimator"),
         ({"clip_low": 1.5}, "clip_low"),
         ({"minibatch_size": 0}, "minibatch_size"),
+        ({"logprob_chunk_size": 0}, "logprob_chunk_size"),
     ],
 )
 def test_invalid_arguments_are_rejected_at_construction(kwargs, message):

@@ -69,6 +69,16 @@ def _chunk_forward(u: Tensor, labels: Tensor, with_sbar: bool) -> tuple[Tensor, 
     return logp_label, entropy, lse, sbar
 
 
+def _chunk_backward(u: Tensor, lse: Tensor, entropy: Tensor, labels: Tensor, grad_logp: Tensor,
+                    grad_entropy: Tensor) -> Tensor:
+    """Gradient with respect to one chunk of scaled logits ``u``, from those of its log-probs and entropies."""
+    log_p = _log_probs(u, lse)
+    p = torch.exp(log_p)
+    # d logp_a/du = onehot(a) - p ;  dH/du = -p (log p + H)
+    g = -p * (grad_logp.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (log_p + entropy.unsqueeze(-1)))
+    return g.scatter_add_(-1, labels.unsqueeze(-1), grad_logp.unsqueeze(-1))
+
+
 def _log_probs(u: Tensor, lse: Tensor) -> Tensor:
     # Clamped so that masked (-inf) logits give p·log p = 0 instead of 0·(-inf) = NaN.
     return (u - lse.unsqueeze(-1)).clamp_min(torch.finfo(torch.float32).min)
@@ -109,11 +119,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         for start in range(0, logits.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
             u = logits[sl].float() / temperature
-            log_p = _log_probs(u, lse[sl])
-            p = torch.exp(log_p)
-            # d logp_a/du = onehot(a) - p ;  dH/du = -p (log p + H)
-            g = -p * (grad_logp[sl].unsqueeze(-1) + grad_entropy[sl].unsqueeze(-1) * (log_p + entropy[sl].unsqueeze(-1)))
-            g.scatter_add_(-1, labels[sl].unsqueeze(-1), grad_logp[sl].unsqueeze(-1))
+            g = _chunk_backward(u, lse[sl], entropy[sl], labels[sl], grad_logp[sl], grad_entropy[sl])
             grad_logits[sl] = (g / temperature).to(logits.dtype)
         return grad_logits, None, None, None, None
 
@@ -162,7 +168,7 @@ def token_logprobs_and_entropy(
 @torch.no_grad()
 def nucleus_entropy_and_gap(logits: Tensor, temperature: float = 1.0, top_p: float = 0.9, chunk_size: int = 1024,
                             max_candidates: int = 256) -> tuple[Tensor, Tensor]:
-    """Local top-p entropy and top-two log-prob gap per position (PAEC's decision-sensitivity signals), no grad.
+    r"""Local top-p entropy and top-two log-prob gap per position (PAEC's decision-sensitivity signals), no grad.
 
     With ``p = softmax(logits / τ)`` sorted descending, the nucleus is the smallest prefix whose mass reaches
     ``top_p`` (the token that crosses ``top_p`` is included, as in nucleus sampling), ``q`` its renormalised
