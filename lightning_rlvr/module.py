@@ -143,7 +143,8 @@ class RLVRModule(pl.LightningModule):
         kl_coef: weight β of the KL-to-reference term in the loss; the reference model is loaded only if > 0.
         kl_estimator: ``k1``, ``abs``, ``k2``, ``k3`` (low-variance) or ``k3+`` (k3 value, k2 gradient).
         logprob_chunk_size: tokens per chunk of the log-prob/entropy kernel, which bounds its float32 working set
-            (``None``: as many as fit 32 MiB of float32 logits, e.g. 55 tokens at a 151,936-token vocabulary).
+            (``None``: as many as fit 16 MiB of float32 logits, e.g. 27 tokens at a 151,936-token vocabulary; 64 MiB
+            with ``fused_logprobs``, whose chunks are also matmul tiles).
         fused_logprobs: compute log-probs and entropy from the final hidden states and ``lm_head.weight`` chunk by
             chunk (:func:`~lightning_rlvr.ops.fused_logprobs.hidden_logprobs_and_entropy`), so the ``N × V``
             logits never exist, forward or backward: for large vocabularies at long lengths. Needs a plain linear

@@ -55,33 +55,49 @@ class TokenStats:
     top2_gap: Tensor | None = None
 
 
+def _scaled_chunk(logits: Tensor, temperature: float) -> Tensor:
+    """A float32 copy of a chunk of logits divided by ``τ``: a buffer the chunk kernels may overwrite."""
+    u = logits.to(torch.float32, copy=True)
+    return u.div_(temperature) if temperature != 1.0 else u
+
+
+def _dot_rows(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise dot products of two ``(rows, V)`` tensors without a ``(rows, V)`` temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
 def _chunk_forward(u: Tensor, labels: Tensor, with_sbar: bool) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Log-prob of ``labels``, entropy, logsumexp (and ``S̄``) for one float32 chunk of scaled logits."""
+    """Log-prob of ``labels``, entropy, logsumexp (and ``S̄``) for one float32 chunk of scaled logits.
+
+    ``u`` is overwritten (it becomes ``log p``): besides it, one ``(rows, V)`` buffer (``p``) is allocated.
+    """
     lse = torch.logsumexp(u, dim=-1)
-    log_p = _log_probs(u, lse)
+    log_p = _log_probs_(u, lse)
     logp_label = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     p = torch.exp(log_p)
-    p_log_p = p * log_p
-    entropy = -p_log_p.sum(-1)
+    entropy = -_dot_rows(p, log_p)
     sbar = None
-    if with_sbar:  # Σ p² log p + H Σ p², in place on the chunk's buffers (no further (chunk, V) temporaries)
-        sbar = p_log_p.mul_(p).sum(-1) + entropy * p.square_().sum(-1)
+    if with_sbar:  # Σ p² log p + H Σ p²
+        p.square_()
+        sbar = _dot_rows(p, log_p) + entropy * p.sum(-1)
     return logp_label, entropy, lse, sbar
 
 
 def _chunk_backward(u: Tensor, lse: Tensor, entropy: Tensor, labels: Tensor, grad_logp: Tensor,
                     grad_entropy: Tensor) -> Tensor:
-    """Gradient with respect to one chunk of scaled logits ``u``, from those of its log-probs and entropies."""
-    log_p = _log_probs(u, lse)
+    """Gradient with respect to one chunk of scaled logits ``u`` (overwritten), from those of its log-probs and
+    entropies: ``d logp_a/du = onehot(a) - p`` and ``dH/du = -p (log p + H)``, so
+    ``g = -p (g_logp + g_H (log p + H)) + onehot(a) g_logp``, built in the buffers of ``u`` and ``p``."""
+    log_p = _log_probs_(u, lse)
     p = torch.exp(log_p)
-    # d logp_a/du = onehot(a) - p ;  dH/du = -p (log p + H)
-    g = -p * (grad_logp.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (log_p + entropy.unsqueeze(-1)))
+    factor = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(grad_logp.unsqueeze(-1))
+    g = p.mul_(factor).neg_()
     return g.scatter_add_(-1, labels.unsqueeze(-1), grad_logp.unsqueeze(-1))
 
 
-def _log_probs(u: Tensor, lse: Tensor) -> Tensor:
-    # Clamped so that masked (-inf) logits give p·log p = 0 instead of 0·(-inf) = NaN.
-    return (u - lse.unsqueeze(-1)).clamp_min(torch.finfo(torch.float32).min)
+def _log_probs_(u: Tensor, lse: Tensor) -> Tensor:
+    """``u - lse`` in place. Clamped so that masked (-inf) logits give p·log p = 0 instead of 0·(-inf) = NaN."""
+    return u.sub_(lse.unsqueeze(-1)).clamp_min_(torch.finfo(torch.float32).min)
 
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
@@ -97,7 +113,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         sbar = torch.empty(n if with_sbar else 0, dtype=torch.float32, device=logits.device)
         for start in range(0, n, chunk_size):
             sl = slice(start, start + chunk_size)
-            u = logits[sl].float() / temperature
+            u = _scaled_chunk(logits[sl], temperature)
             logp[sl], entropy[sl], lse[sl], chunk_sbar = _chunk_forward(u, labels[sl], with_sbar)
             if with_sbar:
                 sbar[sl] = chunk_sbar
@@ -118,7 +134,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             grad_entropy = torch.zeros_like(lse)
         for start in range(0, logits.shape[0], chunk_size):
             sl = slice(start, start + chunk_size)
-            u = logits[sl].float() / temperature
+            u = _scaled_chunk(logits[sl], temperature)
             g = _chunk_backward(u, lse[sl], entropy[sl], labels[sl], grad_logp[sl], grad_entropy[sl])
             grad_logits[sl] = (g / temperature).to(logits.dtype)
         return grad_logits, None, None, None, None

@@ -1,4 +1,5 @@
-"""Hugging Face ``generate`` rollout engine, colocated with the policy (the CPU / small-model default)."""
+"""Rollout engine on the live Hugging Face policy (the CPU / small-model default): a cached decoding loop of its own,
+transformers' ``generate`` for policies sharded across ranks."""
 
 from __future__ import annotations
 
@@ -132,12 +133,21 @@ class HFEngine(RolloutEngine):
 
     def _hf_generate(self, policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingConfig,
                      pad_id: int, synced: bool) -> Tensor:
-        kwargs = dict(max_new_tokens=sampling.max_new_tokens, pad_token_id=pad_id,
-                      eos_token_id=policy.generation_config.eos_token_id, use_cache=self.use_cache,
-                      synced_gpus=synced)
+        from transformers import GenerationConfig
+
+        settings = dict(max_new_tokens=sampling.max_new_tokens, pad_token_id=pad_id,
+                        eos_token_id=policy.generation_config.eos_token_id, use_cache=self.use_cache)
         if sampling.greedy:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            settings.update(do_sample=False)
         else:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        sequences = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, **kwargs)
+            settings.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                            top_k=sampling.top_k)
+        # A configuration of our own in place of the model's for this call: generate merges the model's defaults
+        # into any configuration passed, and its extra processors (a repetition penalty) would draw from another
+        # distribution than the one the trainer scores, and differently from _decode.
+        own_config, policy.generation_config = policy.generation_config, GenerationConfig(**settings)
+        try:
+            sequences = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced)
+        finally:
+            policy.generation_config = own_config
         return sequences[:, prompt_ids.shape[1]:]

@@ -46,6 +46,26 @@ def test_decoding_loop_draws_the_same_tokens_as_transformers_generate(policy, sa
     assert torch.equal(ours, theirs)
 
 
+def test_the_models_own_generation_settings_do_not_change_what_is_drawn(policy):
+    """Only SamplingConfig counts: a checkpoint's repetition penalty or top-k would sample another distribution."""
+    sampling = SamplingConfig(max_new_tokens=12, temperature=1.0)
+    engine = HFEngine()
+    engine.sync(policy, 0)
+    torch.manual_seed(5)
+    plain = engine.generate(PROMPTS, 4, sampling).completion_ids
+    saved = policy.generation_config.to_dict()
+    policy.generation_config.repetition_penalty, policy.generation_config.top_k = 1.8, 3
+    try:
+        torch.manual_seed(5)
+        ours = engine.generate(PROMPTS, 4, sampling).completion_ids
+        torch.manual_seed(5)
+        theirs = reference_generate(policy, engine, 4, sampling)
+    finally:
+        policy.generation_config.repetition_penalty = saved.get("repetition_penalty", 1.0)
+        policy.generation_config.top_k = saved.get("top_k", 50)
+    assert torch.equal(ours, plain) and torch.equal(theirs, plain)
+
+
 def test_rows_are_padded_after_eos_and_grouped_by_prompt(policy):
     engine = HFEngine()
     engine.sync(policy, 0)

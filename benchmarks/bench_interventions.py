@@ -1,0 +1,144 @@
+"""Step time of each entropy intervention, and of all the paper interventions stacked, against plain GRPO.
+
+The setting of ``bench_step.py`` (tiny Llama, `a+b=`, 8 prompts x 8 completions, one update per rollout) with
+one callback list per row; each measurement runs in its own process and the rows take turns round after round
+(median of the rounds). The cost of an intervention is what it adds to the step, including the passes it
+makes the module run: ``old_stats`` (a no-grad forward before the update, which plain GRPO skips on its single
+on-policy update) and ``ref_logprobs`` (a forward of the frozen reference: EP-GRPO).
+
+    python benchmarks/bench_interventions.py
+    python benchmarks/bench_interventions.py --rounds 5 --steps 60 --new-tokens 16 --json interventions.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def interventions(name: str) -> list:
+    """The callbacks of a row (paper defaults, except where the tiny task needs otherwise)."""
+    from lightning_rlvr import callbacks as cb
+
+    single = {
+        "grpo": [],
+        "clip_cov": [cb.ClipCov()],
+        "kl_cov": [cb.KLCov()],
+        "top_entropy_tokens": [cb.TopEntropyTokens()],
+        "entropy_bonus": [cb.EntropyBonus()],
+        "adaptive_entropy": [cb.AdaptiveEntropy()],
+        "gtpo": [cb.GTPO()],
+        "perplexity_shaping": [cb.StageDetector(), cb.PerplexityShaping()],
+        "position_shaping": [cb.StageDetector(), cb.PositionShaping(active_steps=None)],
+        "steer": [cb.STEER()],
+        "paec": [cb.PAEC()],
+        "opefo": [cb.OPEFO()],
+        "hapo": [cb.HAPO()],
+        "ep_grpo": [cb.EPGRPO()],
+    }
+    if name in single:
+        return single[name]
+    if name == "all_paper":
+        # One of each family that can act together: advantage shaping (GTPO, stage-aware position shaping, HAPO),
+        # token selection and weighting (TopEntropyTokens, STEER), covariance control (Clip-Cov, KL-Cov), entropy
+        # regularisation (AdaptiveEntropy, PAEC), flow balancing (OPEFO) and EP-GRPO's reference-anchored term.
+        return [cb.StageDetector(), cb.GTPO(), cb.PositionShaping(active_steps=None), cb.HAPO(),
+                cb.TopEntropyTokens(), cb.STEER(), cb.ClipCov(), cb.KLCov(), cb.AdaptiveEntropy(), cb.PAEC(),
+                cb.OPEFO(), cb.EPGRPO()]
+    raise ValueError(f"unknown row {name!r}")
+
+
+ROWS = ("grpo", "clip_cov", "kl_cov", "top_entropy_tokens", "entropy_bonus", "adaptive_entropy", "gtpo",
+        "perplexity_shaping", "position_shaping", "steer", "paec", "opefo", "hapo", "ep_grpo", "all_paper")
+
+
+def worker(row: str, new_tokens: int, steps: int, warmup: int) -> dict:
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+    from lightning_rlvr.callbacks import Intervention
+    from lightning_rlvr.models import build_tiny_model
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    stamps: list[float] = []
+
+    class Stamp(pl.Callback):
+        def on_train_batch_end(self, *args, **kwargs) -> None:
+            stamps.append(time.perf_counter())
+
+    callbacks = interventions(row)
+    with tempfile.TemporaryDirectory() as directory:
+        path = build_tiny_model(directory)
+        data = RolloutDataModule(source=BuiltinTask("addition", max_operand=49), prompts_per_step=8, group_size=8,
+                                 max_new_tokens=new_tokens, val_samples=0)
+        module = RLVRModule(model=path, learning_rate=3e-4, max_grad_norm=1.0)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps + warmup, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[*callbacks, Stamp()])
+        trainer.fit(module, data)
+        needs = module.needs()
+    timed = stamps[warmup:]
+    return {"steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]),
+            "passes": [name for name in ("old_stats", "ref_logprobs", "flow_stats", "entropy_grad")
+                       if getattr(needs, name)] + (["nucleus"] if needs.nucleus_top_p else []),
+            "interventions": sum(isinstance(c, Intervention) for c in callbacks)}
+
+
+def measure(row: str, new_tokens: int, steps: int, warmup: int) -> dict:
+    command = [sys.executable, __file__, "--worker", row, "--new-tokens", str(new_tokens), "--steps", str(steps),
+               "--warmup", str(warmup)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{row} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.new_tokens, args.steps, args.warmup)))
+        return
+    rows = ["grpo", *[r for r in args.rows if r != "grpo"]]
+    samples: dict[str, list[float]] = {row: [] for row in rows}
+    details: dict[str, dict] = {}
+    for round_index in range(args.rounds):
+        shift = round_index % len(rows)
+        for row in rows[shift:] + rows[:shift]:
+            result = measure(row, args.new_tokens, args.steps, args.warmup)
+            samples[row].append(result["steps_per_s"])
+            details[row] = result
+        print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    base = statistics.median(samples["grpo"])
+    table = []
+    for row in rows:
+        speed = statistics.median(samples[row])
+        table.append({"row": row, "steps_per_s": speed, "step_time_vs_grpo": base / speed,
+                      "passes": details[row]["passes"], "rounds": samples[row]})
+    print(f"\n{args.new_tokens} new tokens, 8 x 8 completions; median of {args.rounds} rounds of {args.steps} steps")
+    print("| interventions | steps/s | step time × GRPO | extra passes |")
+    print("|---|---|---|---|")
+    for entry in table:
+        print(f"| {entry['row']} | {entry['steps_per_s']:.1f} | {entry['step_time_vs_grpo']:.2f} | "
+              f"{', '.join(entry['passes']) or '—'} |")
+    if args.json:
+        args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

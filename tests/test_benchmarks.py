@@ -1,0 +1,56 @@
+"""The speed benchmarks start, run a minute-sized version of themselves and write their table (not their numbers:
+speed is measured by running them, not in tests). TRL is not installed for the tests, so bench_step runs without
+it here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(script: str, *args: str, tmp_path: Path) -> dict:
+    out = tmp_path / "table.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "|---|" in done.stdout  # the Markdown table
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("script", ["bench_step.py", "bench_logprobs.py", "bench_interventions.py"])
+def test_benchmark_explains_itself(script):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and "usage:" in done.stdout
+
+
+def test_bench_step_times_lightning_rlvr_against_the_bare_loop(tmp_path):
+    table = run("bench_step.py", "--trainers", "lightning_rlvr", "bare", "--models", "tiny", "--new-tokens", "4",
+                "--steps", "3", "--warmup", "1", "--rounds", "1", tmp_path=tmp_path)
+    rows = {row["trainer"]: row for row in table["rows"]}
+    assert set(rows) == {"lightning_rlvr", "bare"}
+    assert all(row["steps_per_s"] > 0 for row in rows.values())
+    assert rows["bare"]["vs_bare"] == pytest.approx(1.0)
+
+
+def test_bench_logprobs_compares_memory_and_time_with_the_naive_path(tmp_path):
+    table = run("bench_logprobs.py", "--vocab", "2000", "--rows", "64", "--hidden-size", "16", "--methods", "naive",
+                "chunked", "fused", tmp_path=tmp_path)
+    methods = {(row["start"], row["grad"], row["method"]) for row in table["rows"]}
+    assert ("hidden", True, "fused") in methods and ("logits", False, "chunked") in methods
+    assert ("logits", False, "fused") not in methods  # the fused path starts from hidden states
+    assert all(row["seconds"] > 0 for row in table["rows"])
+
+
+def test_bench_interventions_reports_each_row_against_grpo(tmp_path):
+    table = run("bench_interventions.py", "--rows", "grpo", "ep_grpo", "--steps", "3", "--warmup", "1",
+                "--rounds", "1", tmp_path=tmp_path)
+    rows = {row["row"]: row for row in table["rows"]}
+    assert rows["grpo"]["step_time_vs_grpo"] == pytest.approx(1.0)
+    assert "ref_logprobs" in rows["ep_grpo"]["passes"]
