@@ -178,8 +178,8 @@ def _expose_interpreter(uid: int) -> None:
     The closed directory is covered, in this mount namespace only, by an empty world-readable tmpfs into which
     just the needed child is bind-mounted back, so its other contents (``/root/.ssh``) stay hidden.
     """
-    needed = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-              *[p for p in sys.path if p]}
+    # Entries of /tmp are held and bound back whole (_hold_interpreter_entries_of_tmp).
+    needed = {p for p in _needed_paths() if not os.path.normpath(p).startswith("/tmp/")}
     staging = "/tmp/.expose"
     os.mkdir(staging, 0o700)
     for _ in range(32):  # each round opens one closed directory; nested closed directories take more rounds
@@ -210,6 +210,41 @@ def _expose_interpreter(uid: int) -> None:
     os.rmdir(staging)
 
 
+SYS_OPEN_TREE, SYS_MOVE_MOUNT = 428, 429
+OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = 1, 0x4
+_KEPT_IN_TMP: set[str] = set()  # entries of /tmp that hold the interpreter: bound back read-only, never emptied
+
+
+def _needed_paths() -> set[str]:
+    return {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+            *[p for p in sys.path if p]}
+
+
+def _hold_interpreter_entries_of_tmp() -> list[tuple[str, int]]:
+    """Detached copies of the /tmp entries the interpreter lives in (a checkout under /tmp), before /tmp is covered."""
+    held = []
+    for name in sorted({os.path.normpath(p)[5:].split("/")[0] for p in _needed_paths()
+                        if os.path.normpath(p).startswith("/tmp/")}):
+        fd = _libc.syscall(SYS_OPEN_TREE, AT_FDCWD, f"/tmp/{name}".encode(), OPEN_TREE_CLONE | AT_RECURSIVE)
+        if fd < 0:
+            _check(-1, f"open_tree(/tmp/{name})")
+        held.append((name, fd))
+    return held
+
+
+def _restore_held_entries(held: list[tuple[str, int]]) -> None:
+    for name, fd in held:
+        target = f"/tmp/{name}"
+        os.mkdir(target)
+        _check(_libc.syscall(SYS_MOVE_MOUNT, fd, b"", AT_FDCWD, target.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+               f"move_mount to {target}")
+        os.close(fd)
+        attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+        _check(_libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, target.encode(), AT_RECURSIVE, ctypes.byref(attr),
+                             ctypes.sizeof(attr)), f"mount_setattr({target}, read-only)")
+        _KEPT_IN_TMP.add(name)
+
+
 def _prepare_harness(job: dict) -> None:
     """In PID 1 of the new namespaces: file system view, limits, then leave privilege for good."""
     user_namespace, sandbox_id = job["user_namespace"], job["sandbox_id"]
@@ -217,11 +252,13 @@ def _prepare_harness(job: dict) -> None:
     # tmpfs owner ids are read in the caller's user namespace: there the sandbox's uid is 0.
     owner = ",uid=0,gid=0" if user_namespace else f",uid={sandbox_id},gid={job['sandbox_gid']}"
     tmpfs_options = f"size={job['disk_bytes']},mode=0700{owner}"
+    held = _hold_interpreter_entries_of_tmp()
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_options)  # staging room for _expose_interpreter
     if job["started_as_root"]:
         _expose_interpreter(sandbox_id)
     _make_tree_read_only()
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_options)
+    _restore_held_entries(held)
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except SandboxSetupError:
@@ -387,6 +424,8 @@ def _empty_tmp() -> None:
             pass
 
     for entry in os.scandir("/tmp"):
+        if entry.name in _KEPT_IN_TMP:
+            continue
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, onerror=unlock_and_retry)
         else:
