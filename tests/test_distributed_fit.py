@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -134,6 +135,11 @@ def distributed_worker(body):
         finally:
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
+        # Only interpreter and C++ teardown is left, and it can still abort (SIGABRT, seen once in 3 CI runs of the
+        # FSDP2 resume test after its files were written): leave without it, successfully.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     return run
 
