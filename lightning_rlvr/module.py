@@ -346,6 +346,13 @@ class RLVRModule(pl.LightningModule):
             needs = needs | cb.needs
         return needs
 
+    def wants_behaviour_stats(self) -> bool:
+        """Whether a step needs the behaviour policy's stats before its first update (several updates per rollout,
+        or an intervention that reads them); the rollout engine is then asked for them (``HFEngine`` computes them
+        while decoding, sparing the no-grad pass). A ``minibatch_size`` at least the batch over-asks: harmless."""
+        hp = self.hparams
+        return self.needs().old_stats or hp.ppo_epochs > 1 or hp.minibatch_size is not None
+
     # -- per-token statistics ------------------------------------------------------------------------------
     def token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool = False,
                     with_sbar: bool = False, nucleus_top_p: float | None = None) -> TokenStats:
@@ -418,6 +425,15 @@ class RLVRModule(pl.LightningModule):
         return TokenStats(torch.cat([p.logprobs for p in parts]), torch.cat([p.entropy for p in parts]),
                           torch.cat([p.sbar for p in parts]) if with_sbar else None)
 
+    def _behaviour_stats(self, batch: RolloutBatch, with_sbar: bool) -> TokenStats:
+        """The behaviour policy's stats of ``batch``: the engine's, computed while decoding on this very module
+        (:class:`~lightning_rlvr.rollout.hf.HFEngine`, float32), else one no-grad pass."""
+        if (batch.behaviour_logprobs is not None and batch.behaviour_entropy is not None
+                and (not with_sbar or batch.behaviour_sbar is not None)):
+            return TokenStats(batch.behaviour_logprobs, batch.behaviour_entropy,
+                              batch.behaviour_sbar if with_sbar else None)
+        return self._no_grad_stats(self.policy, batch, with_sbar)
+
     def recompute_token_stats(self, batch: RolloutBatch, with_sbar: bool = False) -> TokenStats:
         """Log-probs and entropy (and ``S̄``) of ``batch``'s completion tokens under the *current* policy, no grad.
 
@@ -461,7 +477,7 @@ class RLVRModule(pl.LightningModule):
         n_updates = hp.ppo_epochs * math.ceil(n / minibatch)
         on_policy_single_update = n_updates == 1
         old = (None if on_policy_single_update and not needs.old_stats
-               else self._no_grad_stats(self.policy, rollout, with_sbar=needs.flow_stats))
+               else self._behaviour_stats(rollout, with_sbar=needs.flow_stats))
         ref_logprobs = None
         if hp.kl_coef > 0 or needs.ref_logprobs:
             ref_logprobs = self._no_grad_stats(self.ref_model, rollout).logprobs

@@ -401,3 +401,72 @@ def test_engine_mismatch_is_measured_and_truncated_importance_sampling_weights_t
         assert sums["tis_clip"] == pytest.approx(sum(over) / mask.sum().item())  # 2 of 5 valid tokens here
     with pytest.raises(ValueError, match="engine_is_cap"):
         RLVRModule(model=tiny_model_dir, engine_is_cap=0.0)
+
+
+def test_behaviour_stats_from_the_decoding_loop_replace_the_no_grad_pass(tiny_model_dir, monkeypatch):
+    """Two minibatches need the behaviour policy's stats before the first update: HFEngine's decoding loop has them
+    (same module, float32), so no no-grad pass runs, and the run matches one that recomputes them."""
+    from lightning_rlvr.rollout import HFEngine
+
+    params, passes, calls = [], [], []
+    original = RLVRModule._no_grad_stats
+    monkeypatch.setattr(RLVRModule, "_no_grad_stats", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    for behaviour_stats in (True, False):
+        calls.clear()
+        pl.seed_everything(0)
+        module = RLVRModule(model=tiny_model_dir, minibatch_size=16, learning_rate=1e-3)
+        trainer(6).fit(module, reverse_data(engine=HFEngine(behaviour_stats=behaviour_stats)))
+        params.append(torch.cat([p.detach().flatten() for p in module.policy.parameters()]))
+        passes.append(len(calls))
+    assert passes == [0, 3]  # 3 rollout steps x 2 minibatches; the recomputing run did one pass per rollout
+    torch.testing.assert_close(params[0], params[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+def test_batched_behaviour_stats_match_a_recompute_row_by_row(tiny_model_dir, dynamic_sampling):
+    """After verification, filtering across generation rounds and padding, each row's behaviour stats are still its
+    own tokens' stats under the policy that generated them (zero past EOS)."""
+    from lightning_rlvr.callbacks import Intervention
+
+    checked = []
+
+    class Check(Intervention):
+        def on_rollout(self, trainer, pl_module, batch):
+            expected = pl_module.recompute_token_stats(batch, with_sbar=True)
+            mask = batch.response_mask.bool()
+            for got, want in ((batch.behaviour_logprobs, expected.logprobs),
+                              (batch.behaviour_entropy, expected.entropy), (batch.behaviour_sbar, expected.sbar)):
+                assert got.shape == mask.shape
+                torch.testing.assert_close(got[mask], want[mask], rtol=1e-4, atol=1e-5)
+                assert (got[~mask] == 0).all()
+            checked.append(len(batch))
+
+    pl.seed_everything(1)
+    module = RLVRModule(model=tiny_model_dir, minibatch_size=16, learning_rate=1e-3)
+    data = reverse_data(dynamic_sampling=dynamic_sampling, max_generation_rounds=3, temperature=0.8)
+    trainer(4, callbacks=[Check()]).fit(module, data)
+    assert len(checked) == 2 and all(n > 0 for n in checked)
+
+
+@pytest.mark.parametrize(("kwargs", "callbacks", "wanted"), [
+    ({}, [], False),  # one on-policy update: the update's own forward is the behaviour pass
+    ({"minibatch_size": 16}, [], True),
+    ({"ppo_epochs": 2}, [], True),
+    ({}, ["GTPO"], True),  # reads the old entropy before the update
+])
+def test_the_engine_is_asked_for_behaviour_stats_only_when_a_pass_would_run(tiny_model_dir, kwargs, callbacks,
+                                                                              wanted):
+    from lightning_rlvr import callbacks as cb
+    from lightning_rlvr.rollout import HFEngine
+
+    asked = []
+
+    class Spy(HFEngine):
+        def generate(self, prompts, n, sampling):
+            asked.append(sampling.behaviour_stats)
+            return super().generate(prompts, n, sampling)
+
+    module = RLVRModule(model=tiny_model_dir, **kwargs)
+    steps = 2 if kwargs.get("minibatch_size") or kwargs.get("ppo_epochs") else 1
+    trainer(steps, callbacks=[getattr(cb, name)() for name in callbacks]).fit(module, reverse_data(engine=Spy()))
+    assert asked == [wanted]

@@ -32,6 +32,10 @@ class RolloutBatch:
         completions: decoded completion texts (up to the first EOS).
         answers: reference answers.
         engine_logprobs: ``(N, T)`` the engine's own log-probs, if it returned them.
+        behaviour_logprobs: ``(N, T)`` log-probs of the completion tokens under the training module at τ,
+            computed while decoding (:attr:`~lightning_rlvr.rollout.base.GenerationOutput.behaviour`), or ``None``.
+        behaviour_entropy: ``(N, T)`` the same forward's entropy, or ``None``.
+        behaviour_sbar: ``(N, T)`` the same forward's ``S̄``, or ``None``.
         stats: scalar rollout statistics for logging (``rollout/…``, ``reward/…``).
     """
 
@@ -49,6 +53,9 @@ class RolloutBatch:
     completions: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     engine_logprobs: Tensor | None = None
+    behaviour_logprobs: Tensor | None = None
+    behaviour_entropy: Tensor | None = None
+    behaviour_sbar: Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import lightning.pytorch as pl
 import torch
@@ -167,6 +167,7 @@ class _Scored:
     truncated: bool
     invalid: bool
     logprobs: list[float] | None = None  # the engine's log-probs of completion_ids, if it returned them
+    behaviour: torch.Tensor | None = None  # (T_round, 3): log-prob, entropy, S̄ per token of the engine's row
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -393,6 +394,8 @@ class RolloutDataModule(pl.LightningDataModule):
         rows: list[_Scored] = []
         to_verify: list[int] = []
         engine_logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        behaviour = None if out.behaviour is None else torch.stack(
+            [out.behaviour.logprobs, out.behaviour.entropy, out.behaviour.sbar], dim=-1).cpu()
         for i, tokens in enumerate(out.completion_ids.tolist()):
             problem_index = i // n
             try:
@@ -405,7 +408,8 @@ class RolloutDataModule(pl.LightningDataModule):
             text = self.tokenizer.decode(answer_tokens, skip_special_tokens=False)
             rows.append(_Scored(first_group + problem_index, prompts[problem_index], tokens[:length], text,
                                 problems[problem_index].answer, 0.0, truncated, invalid,
-                                None if engine_logprobs is None else engine_logprobs[i][:length]))
+                                None if engine_logprobs is None else engine_logprobs[i][:length],
+                                None if behaviour is None else behaviour[i]))
             if not truncated and not invalid:
                 to_verify.append(i)
         scores, errors = self.runner.score_batch([rows[i].text for i in to_verify], [rows[i].answer for i in to_verify])
@@ -423,6 +427,9 @@ class RolloutDataModule(pl.LightningDataModule):
         if self._shuffle is not None:
             self._shuffle.consumed += len(problems)
         version = self._sync_policy()
+        # The engine's behaviour stats replace the trainer's no-grad pass, if the trainer would run one.
+        wants = getattr(self.trainer.lightning_module, "wants_behaviour_stats", None)
+        sampling = replace(self.sampling, behaviour_stats=bool(wants and wants()))
         kept: list[_Scored] = []
         all_rows: list[_Scored] = []
         errors, rounds, n_groups_seen, n_groups_kept = 0, 0, 0, 0
@@ -435,12 +442,12 @@ class RolloutDataModule(pl.LightningDataModule):
         idle = False
         while True:
             if idle:
-                self.engine.generate([self.prompt_ids(pending[0])], self.group_size, self.sampling)
+                self.engine.generate([self.prompt_ids(pending[0])], self.group_size, sampling)
                 if self._all_ranks_done(True):
                     break
                 continue
             rounds += 1
-            rows, round_errors = self._generate_and_score(pending, self.group_size, self.sampling, n_groups_seen)
+            rows, round_errors = self._generate_and_score(pending, self.group_size, sampling, n_groups_seen)
             errors += round_errors
             all_rows += rows
             last_rows = rows
@@ -516,6 +523,11 @@ class RolloutDataModule(pl.LightningDataModule):
         with_logprobs = all(r.logprobs is not None for r in rows)
         engine_logprobs = torch.tensor([list(r.logprobs) + [0.0] * (width - len(r.logprobs)) for r in rows],
                                        dtype=torch.float32) if with_logprobs else None
+        behaviour: list[torch.Tensor | None] = [None, None, None]
+        if all(r.behaviour is not None for r in rows):
+            # Rows keep their round's full width; past each row's EOS the values are zeroed like the other fields.
+            stacked = torch.nn.utils.rnn.pad_sequence([r.behaviour for r in rows], batch_first=True)[:, :width]
+            behaviour = [t.contiguous() for t in (stacked * response_mask.unsqueeze(-1)).unbind(-1)]
         # Group ids are renumbered 0..n_groups-1 in order of appearance.
         remap: dict[int, int] = {}
         group_ids = torch.tensor([remap.setdefault(r.group, len(remap)) for r in rows], dtype=torch.long)
@@ -538,6 +550,9 @@ class RolloutDataModule(pl.LightningDataModule):
             completions=[r.text for r in rows],
             answers=[r.answer for r in rows],
             engine_logprobs=engine_logprobs,
+            behaviour_logprobs=behaviour[0],
+            behaviour_entropy=behaviour[1],
+            behaviour_sbar=behaviour[2],
             stats={
                 "reward/mean": rewards.mean().item(),
                 "reward/accuracy": correct.float().mean().item(),

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_rlvr.ops.logprobs import TokenStats
+
 __all__ = ["GenerationOutput", "RolloutEngine", "SamplingConfig"]
 
 
@@ -27,6 +29,8 @@ class SamplingConfig:
         top_p: nucleus sampling (1.0 = off).
         top_k: top-k sampling (0 = off).
         greedy: argmax decoding (validation accuracy); ignores the sampling knobs.
+        behaviour_stats: ask for :attr:`GenerationOutput.behaviour` (the trainer will use them); an engine that
+            cannot compute them exactly returns ``None``.
     """
 
     max_new_tokens: int = 8
@@ -34,6 +38,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0
     greedy: bool = False
+    behaviour_stats: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -55,12 +60,16 @@ class GenerationOutput:
         prompt_mask: ``(N, P_len)`` 1 on real prompt tokens.
         completion_ids: ``(N, T)`` generated tokens, right-padded (anything after EOS is padding).
         logprobs: ``(N, T)`` the engine's own log-probs of the sampled tokens, if it provides them.
+        behaviour: ``(N, T)`` log-probs, entropy and ``S̄`` of the sampled tokens under the *training module's own*
+            forward at the sampling temperature (what the trainer's no-grad pass would compute, up to float
+            rounding), if the engine computed them while decoding; the trainer then skips that pass.
     """
 
     prompt_ids: Tensor
     prompt_mask: Tensor
     completion_ids: Tensor
     logprobs: Tensor | None = None
+    behaviour: TokenStats | None = None
 
 
 class RolloutEngine(ABC):

@@ -95,3 +95,58 @@ def test_policy_mode_is_restored_and_no_gradient_is_recorded(policy):
 def test_generating_before_sync_is_a_clear_error():
     with pytest.raises(RuntimeError, match="before sync"):
         HFEngine().generate(PROMPTS, 1, SamplingConfig())
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingConfig(max_new_tokens=10, temperature=1.0, behaviour_stats=True),
+    SamplingConfig(max_new_tokens=10, temperature=0.7, top_k=5, top_p=0.9, behaviour_stats=True),
+], ids=["plain", "tau_top_k_top_p"])
+def test_behaviour_stats_equal_a_full_forward_of_the_sampled_sequences(policy, sampling):
+    """Log-prob, entropy and S̄ from the decoding loop against a fresh full-sequence forward and Categorical at τ."""
+    engine = HFEngine()
+    engine.sync(policy, 0)
+    torch.manual_seed(3)
+    out = engine.generate(PROMPTS, 4, sampling)
+    assert out.behaviour is not None
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1)
+    eos = policy.generation_config.eos_token_id
+    width = out.completion_ids.shape[1]
+    # valid = up to and including the first EOS
+    valid = (torch.cumsum((out.completion_ids == eos).long(), 1) - (out.completion_ids == eos).long()) == 0
+    attention = torch.cat([out.prompt_mask, valid.long()], 1)
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    policy.eval()
+    try:
+        with torch.no_grad():
+            logits = policy(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+    finally:
+        policy.train()
+    dist = torch.distributions.Categorical(logits=logits[:, -(width + 1):-1].double() / sampling.temperature)
+    logp = dist.log_prob(out.completion_ids)
+    entropy = dist.entropy()
+    p = dist.probs
+    s = p * (p.log() + entropy[..., None])
+    sbar = (p * s).sum(-1)
+    for got, expected in ((out.behaviour.logprobs, logp), (out.behaviour.entropy, entropy),
+                          (out.behaviour.sbar, sbar)):
+        assert got.shape == out.completion_ids.shape
+        torch.testing.assert_close(got[valid].double(), expected[valid], rtol=1e-4, atol=1e-5)
+
+
+def test_behaviour_stats_only_when_asked_exact_and_sampled(policy):
+    engine = HFEngine()
+    engine.sync(policy, 0)
+    asked = SamplingConfig(max_new_tokens=6, behaviour_stats=True)
+    assert engine.generate(PROMPTS, 2, asked).behaviour is not None
+    assert engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=6)).behaviour is None  # not asked
+    greedy = SamplingConfig(max_new_tokens=4, greedy=True, behaviour_stats=True)
+    assert engine.generate(PROMPTS, 1, greedy).behaviour is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 decode logits are not the trainer's float32 forward
+        assert engine.generate(PROMPTS, 2, asked).behaviour is None
+    off = HFEngine(behaviour_stats=False)
+    off.sync(policy, 0)
+    assert off.generate(PROMPTS, 2, asked).behaviour is None
+    torch.manual_seed(0)
+    with_stats = engine.generate(PROMPTS, 2, asked).completion_ids
+    torch.manual_seed(0)
+    assert torch.equal(off.generate(PROMPTS, 2, asked).completion_ids, with_stats)  # computing them draws nothing
