@@ -101,8 +101,13 @@ def test_generating_before_sync_is_a_clear_error():
     SamplingConfig(max_new_tokens=10, temperature=1.0, behaviour_stats=True),
     SamplingConfig(max_new_tokens=10, temperature=0.7, top_k=5, top_p=0.9, behaviour_stats=True),
 ], ids=["plain", "tau_top_k_top_p"])
-def test_behaviour_stats_equal_a_full_forward_of_the_sampled_sequences(policy, sampling):
-    """Log-prob, entropy and S̄ from the decoding loop against a fresh full-sequence forward and Categorical at τ."""
+@pytest.mark.parametrize("steps_per_call", [None, 1, 3], ids=["all_steps_at_once", "per_step", "three_at_a_time"])
+def test_behaviour_stats_equal_a_full_forward_of_the_sampled_sequences(policy, sampling, steps_per_call, monkeypatch):
+    """Log-prob, entropy and S̄ from the decoding loop against a fresh full-sequence forward and Categorical at τ,
+    however many decoding steps go through the kernel at once (a large vocabulary gets one step per call)."""
+    if steps_per_call is not None:
+        step_bytes = 4 * len(PROMPTS) * 4 * policy.config.vocab_size  # 4 samples per prompt, float32
+        monkeypatch.setattr("lightning_rlvr.rollout.hf.DEFAULT_CHUNK_BYTES", steps_per_call * step_bytes)
     engine = HFEngine()
     engine.sync(policy, 0)
     torch.manual_seed(3)
