@@ -253,3 +253,16 @@ def masked_mean(values: Tensor, mask: Tensor) -> float:
     mask = mask.float()
     totals = all_sum(torch.stack([(values.detach().float() * mask).sum(), mask.sum()]))
     return totals[0].item() / totals[1].item() if totals[1] > 0 else math.nan
+
+
+def entropy_before_update(pl_module: pl.LightningModule, ctx: StepContext, rows: Tensor) -> Tensor | None:
+    """``H_before`` of ``rows`` from the forward that ``recompute_token_stats`` will give ``H_after`` with, for
+    callbacks that measure what an update changed (call it before the update, e.g. in ``shape_advantages``).
+
+    ``None`` when ``ctx.old_entropy`` already is that forward's. When the rollout engine supplied the behaviour
+    stats (HFEngine's decoding loop), its cached one-token forward differs from the full one by float rounding
+    (~1e-8), which on a step that changed nothing would be measured as the change.
+    """
+    if ctx.batch.behaviour_entropy is None:
+        return None
+    return pl_module.recompute_token_stats(ctx.batch.select(rows)).entropy

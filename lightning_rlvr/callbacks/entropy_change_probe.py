@@ -9,8 +9,9 @@ with the change that happened:
 - **flow** (ALGORITHMS.md §2.2, E3; arXiv 2510.10150 / 2602.03392): the token-mean of
   ``c_t = −A_t (S(a_t) − S̄_t)``, ``S(a) = π_a(log π_a + H)``, ``S̄ = Σ_j π_j S(j)``, at the behaviour policy
   where the step starts (``r = 1``, no clip active), in units of the step size;
-- **observed**: ``H_after − H_before`` per token, ``H_before`` the behaviour entropy of the rollout and
-  ``H_after`` recomputed with the updated policy on the same tokens.
+- **observed**: ``H_after − H_before`` per token, ``H_after`` recomputed with the updated policy on the same tokens
+  and ``H_before`` the behaviour entropy of the rollout from the same forward (recomputed on the sampled rows
+  before the update when the behaviour stats came from the decoding loop).
 
 Per step it logs ``probe/cov_pred``, ``probe/flow_pred``, ``probe/observed``, the same split by verified
 outcome (``probe/successful/...``, ``probe/failed/...``), and the token-level agreement of ``c_t`` with the
@@ -29,7 +30,8 @@ Adam's preconditioning and shared parameters, while E3 assumes one plain gradien
 position's own logits; token weights of other interventions (e.g. STEER, Clip-Cov) are not included.
 The probe measures how far that model carries.
 
-Cost: one no-grad forward over ``sample_rows`` rows per measured step (rows evenly spaced over the batch,
+Cost: one no-grad forward over ``sample_rows`` rows per measured step (two when the rollout engine supplied the
+behaviour stats: the trainer then skipped its pass over the whole batch; rows evenly spaced over the batch,
 so every prompt group is represented), plus ``S̄`` in the existing log-prob passes (two extra vocabulary
 reductions; :class:`~lightning_rlvr.callbacks.base.Needs` ``flow_stats``). ``probe/seconds`` logs the
 probe's own wall time per measured step. All statistics are over the valid tokens of every rank.
@@ -46,7 +48,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_rlvr.algorithms.entropy_change import predicted_entropy_flow
-from lightning_rlvr.callbacks.base import Intervention, Needs, StepContext
+from lightning_rlvr.callbacks.base import Intervention, Needs, StepContext, entropy_before_update
 from lightning_rlvr.distributed import gather_cat
 from lightning_rlvr.metrics.entropy_change import fitted_step_size, pearson, sign_agreement, spearman
 
@@ -97,6 +99,8 @@ class EntropyChangeProbe(Intervention):
         self.run_steps = self.run_flow_agree = self.run_cov_agree = 0
         #: ``[step, cov, flow, observed]`` of every probed step of the run (for the predicted-vs-observed plot).
         self.trajectory: list[list[float]] = []
+        self._before: Tensor | None = None  # H_before of the sampled rows, recomputed before this step's update
+        self._before_seconds = 0.0
 
     @property
     @override
@@ -108,14 +112,23 @@ class EntropyChangeProbe(Intervention):
         return torch.linspace(0, n - 1, k, device=device).round().long().unique()
 
     @override
+    def shape_advantages(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> Tensor | None:
+        start = time.perf_counter()
+        self._before = None if ctx.step % self.every_n_steps else entropy_before_update(
+            pl_module, ctx, self._rows(len(ctx.batch), ctx.mask.device))
+        self._before_seconds = time.perf_counter() - start
+        return None
+
+    @override
     def on_update_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> None:
         if ctx.step % self.every_n_steps or ctx.old_sbar is None or ctx.updates_applied == 0:
             return  # nothing changed (every update skipped as non-finite): nothing to compare
-        start = time.perf_counter()
+        start = time.perf_counter() - self._before_seconds
         rows = self._rows(len(ctx.batch), ctx.mask.device)
         batch = ctx.batch.select(rows)
         valid = ctx.mask[rows] > 0
-        before = ctx.old_entropy[rows]
+        before = ctx.old_entropy[rows] if self._before is None else self._before
+        self._before = None
         flow = predicted_entropy_flow(ctx.advantages[rows], ctx.old_logprobs[rows], before, ctx.old_sbar[rows])
         observed = pl_module.recompute_token_stats(batch).entropy - before
         success = batch.correct.unsqueeze(-1).expand_as(valid)

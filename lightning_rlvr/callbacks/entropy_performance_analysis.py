@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from lightning_rlvr.algorithms.stage_detection import linear_slope
 from lightning_rlvr.algorithms.stage_shaping import response_log_perplexity
-from lightning_rlvr.callbacks.base import Intervention, StepContext, masked_mean
+from lightning_rlvr.callbacks.base import Intervention, StepContext, entropy_before_update, masked_mean
 from lightning_rlvr.metrics.entropy_analysis import BucketedMean, position_buckets, rank_buckets
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ class EntropyPerformanceAnalysis(Intervention):
         self.polarity_change = BucketedMean(2)
         self.entropy_history: list[float] = []
         self.accuracy_history: list[float] = []
+        self._before: Tensor | None = None  # H_before of the change rows, when the engine gave the behaviour stats
 
     @property
     @override
@@ -109,6 +110,15 @@ class EntropyPerformanceAnalysis(Intervention):
             ctx.log(self.log_name(f"{name}/{b}"), value)
         return result
 
+    def _change_rows(self, ctx: StepContext) -> Tensor:
+        return torch.arange(min(self.change_rows or len(ctx.batch), len(ctx.batch)), device=ctx.mask.device)
+
+    @override
+    def shape_advantages(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> Tensor | None:
+        measured = self.measure_change and ctx.step % self.every_n_steps == 0
+        self._before = entropy_before_update(pl_module, ctx, self._change_rows(ctx)) if measured else None
+        return None
+
     @override
     def on_update_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> None:
         mask = ctx.mask
@@ -127,9 +137,10 @@ class EntropyPerformanceAnalysis(Intervention):
         self._log_buckets(ctx, "entropy_by_ppl", self.perplexity, ctx.old_entropy, ppl, mask)
         if not self.measure_change or ctx.updates_applied == 0:  # no update applied: no change to measure
             return
-        rows = torch.arange(min(self.change_rows or len(ctx.batch), len(ctx.batch)), device=mask.device)
+        rows = self._change_rows(ctx)
         after = pl_module.recompute_token_stats(ctx.batch.select(rows)).entropy
-        change, sub_mask = after - ctx.old_entropy[rows], mask[rows]
+        before = ctx.old_entropy[rows] if self._before is None else self._before
+        change, sub_mask = after - before, mask[rows]
         self._log_buckets(ctx, "delta_entropy_by_position", self.position_change, change, positions[rows], sub_mask)
         self._log_buckets(ctx, "delta_entropy_by_ppl", self.perplexity_change, change, ppl[rows], sub_mask)
         negative = (~ctx.batch.correct[rows]).long().unsqueeze(-1).expand_as(sub_mask)

@@ -132,3 +132,31 @@ def test_probe_skips_a_step_whose_updates_were_all_skipped():
     step.old_sbar, step.updates_applied = torch.zeros(2, 2), 0
     EntropyChangeProbe().on_update_end(None, None, step)  # would need pl_module to recompute: it must not
     assert step.metrics.means() == {}
+
+
+def test_observed_change_is_exactly_zero_when_an_update_changes_nothing_with_engine_behaviour_stats(
+        tiny_model_dir, memory_logger):
+    """Two minibatches: the behaviour entropy comes from HFEngine's decoding loop, which differs from the trainer's
+    full forward by rounding. An untrained policy scores 0 on every completion (all advantages 0, a zero update),
+    so H_before and H_after must come from the same forward: the observed change is exactly 0, not rounding."""
+    from test_module import reverse_data
+
+    seen = []
+
+    class Spy(Intervention):
+        def on_rollout(self, trainer, pl_module, batch):
+            seen.append((batch.behaviour_entropy is not None, batch.rewards.abs().sum().item()))
+
+    module = RLVRModule(model=tiny_model_dir, minibatch_size=16)
+    from lightning_rlvr.callbacks import EntropyPerformanceAnalysis
+
+    fit = trainer(6, callbacks=[Spy(), EntropyChangeProbe(sample_rows=None), EntropyPerformanceAnalysis()],
+                  logger=memory_logger)
+    fit.fit(module, reverse_data())
+    assert seen == [(True, 0.0)] * 3
+    h = memory_logger.history
+    assert sorted(h["probe/observed"]) == [0, 1, 2]
+    assert all(h["probe/observed"][s] == 0.0 and h["probe/flow_pred"][s] == 0.0 for s in range(3))
+    changes = [v for key, series in h.items() if key.startswith("analysis/delta_entropy_by_position/")
+               for v in series.values() if not math.isnan(v)]
+    assert changes and all(v == 0.0 for v in changes)
