@@ -68,7 +68,7 @@ class HFEngine(RolloutEngine):
     so when the trainer asks (it would otherwise run a no-grad pass over the batch before the update: with several
     minibatches or PPO epochs, or for interventions that read the old policy's stats) it also returns their
     log-probs, entropy and ``S̄`` at the sampling temperature (:attr:`GenerationOutput.behaviour`), and the
-    trainer skips that pass (on the tiny model: ~0.5 ms per rollout, against a ~4 ms forward).
+    trainer skips that pass (on the tiny model: 0.3–0.5 ms per rollout, against a ~4 ms forward).
     They differ from that pass only by float rounding (a cached one-token forward against a full-sequence one),
     so they are computed only in float32 without autocast; under bf16 the pass stays, as in verl and OpenRLHF,
     whose engines are separate, lower-precision copies.

@@ -24,14 +24,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from matplotlib.figure import Figure
 
+from lightning_rlvr.metrics.entropy_change import average_ranks, pearson, sign_agreement
 from lightning_rlvr.study.config import StudyConfig
 from lightning_rlvr.study.runner import finished_runs
 
@@ -51,10 +52,8 @@ def _last(series: Series) -> float:
 
 
 def _sign_agreement(predicted: Sequence[float], observed: Sequence[float]) -> float:
-    """Share of pairs whose signs match (a zero matches only a zero)."""
-    pairs = [(p, o) for p, o in zip(predicted, observed) if math.isfinite(p) and math.isfinite(o)]
-    sign = lambda x: (x > 0) - (x < 0)
-    return sum(sign(p) == sign(o) for p, o in pairs) / len(pairs) if pairs else math.nan
+    """Share of finite pairs whose signs match (a zero matches only a zero)."""
+    return sign_agreement(torch.tensor(predicted, dtype=torch.float64), torch.tensor(observed, dtype=torch.float64))
 
 
 def _balanced_sign_agreement(predicted: Sequence[float], observed: Sequence[float]) -> float:
@@ -70,12 +69,8 @@ def _balanced_sign_agreement(predicted: Sequence[float], observed: Sequence[floa
 
 
 def _correlation(predicted: Sequence[float], observed: Sequence[float]) -> float:
-    """Pearson r of finite pairs (nan with fewer than 3 or no spread)."""
-    pairs = [(p, o) for p, o in zip(predicted, observed) if math.isfinite(p) and math.isfinite(o)]
-    try:
-        return statistics.correlation(*zip(*pairs)) if len(pairs) >= 3 else math.nan
-    except statistics.StatisticsError:
-        return math.nan
+    """Pearson r of finite pairs (nan with fewer than 2 or no spread)."""
+    return pearson(torch.tensor(predicted, dtype=torch.float64), torch.tensor(observed, dtype=torch.float64))
 
 
 def _majority_rate(observed: Sequence[float]) -> float:
@@ -226,35 +221,16 @@ def spearman_permutation(x: Sequence[float], y: Sequence[float], resamples: int 
     Returns:
         ``(rho, p)``; ``(nan, nan)`` with fewer than 3 pairs.
     """
-    def ranks(values: Sequence[float]) -> list[float]:
-        order = sorted(range(len(values)), key=values.__getitem__)
-        result = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                result[order[k]] = (i + j) / 2
-            i = j + 1
-        return result
-
-    def pearson(a: Sequence[float], b: Sequence[float]) -> float:
-        ma, mb = statistics.fmean(a), statistics.fmean(b)
-        num = sum((p - ma) * (q - mb) for p, q in zip(a, b))
-        den = math.sqrt(sum((p - ma) ** 2 for p in a) * sum((q - mb) ** 2 for q in b))
-        return num / den if den else math.nan
-
     if len(x) < 3:
         return math.nan, math.nan
-    rx, ry = ranks(x), ranks(y)
+    rx, ry = (average_ranks(torch.tensor(v, dtype=torch.float64)) for v in (x, y))
     rho = pearson(rx, ry)
-    rng = random.Random(seed)
-    shuffled = list(ry)
-    extreme = 0
-    for _ in range(resamples):
-        rng.shuffle(shuffled)
-        extreme += abs(pearson(rx, shuffled)) >= abs(rho) - 1e-12
+    # Every resample at once: row r is y's ranks in a random order.
+    generator = torch.Generator().manual_seed(seed)
+    shuffled = ry[torch.rand(resamples, len(ry), generator=generator).argsort(dim=1)]
+    cx, cy = rx - rx.mean(), shuffled - shuffled.mean(dim=1, keepdim=True)
+    rhos = (cy @ cx) / torch.sqrt((cx * cx).sum() * (cy * cy).sum(dim=1))
+    extreme = int((rhos.abs() >= abs(rho) - 1e-12).sum())
     return rho, (extreme + 1) / (resamples + 1)
 
 
