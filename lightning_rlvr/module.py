@@ -57,7 +57,8 @@ from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
 from lightning_rlvr.ops import TokenStats, nucleus_entropy_and_gap, token_logprobs_and_entropy
 from lightning_rlvr.ops.fused_logprobs import chunk_rows, hidden_logprobs_and_entropy, hidden_nucleus_entropy_and_gap
-from lightning_rlvr.sharding import fsdp2_shard, global_grad_norm
+from lightning_rlvr.ops.shared_prompt import completion_positions_output
+from lightning_rlvr.sharding import fsdp2_shard, global_grad_norm, is_sharded
 
 __all__ = ["RLVRModule"]
 
@@ -150,6 +151,12 @@ class RLVRModule(pl.LightningModule):
             logits never exist, forward or backward: for large vocabularies at long lengths. Needs a plain linear
             output head (no logit soft-capping or scaling) and an unsharded model (DDP or one device); checked on
             the first batch against the model's own logits.
+        share_prompt_forward: encode each group's shared prompt once per forward and the completions on top of its
+            KV cache (:func:`~lightning_rlvr.ops.shared_prompt.completion_positions_output`), instead of encoding
+            the prompt once per completion: the same log-probs and gradients up to float rounding, with the
+            prompt's FLOPs divided by the group size (1.7× faster forward + backward on the 2.4M-parameter
+            benchmark model at 4 new tokens). Off automatically under FSDP2 / ZeRO-3 sharding; turn it off for
+            gradient checkpointing, which disables the cache.
         trust_remote_code: passed to ``from_pretrained``.
         engine_is_cap: truncated importance sampling against a rollout engine's own log-probs (vLLM): weight each
             token's policy loss by ``min(π_old / π_engine, engine_is_cap)`` (``None`` = off; 2–3 as in verl/TRL).
@@ -180,6 +187,7 @@ class RLVRModule(pl.LightningModule):
         kl_estimator: KLEstimator = "k3",
         logprob_chunk_size: int | None = None,
         fused_logprobs: bool = False,
+        share_prompt_forward: bool = True,
         trust_remote_code: bool = False,
         engine_is_cap: float | None = None,
     ) -> None:
@@ -323,10 +331,14 @@ class RLVRModule(pl.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay, betas=self.hparams.betas
-        )
-        if isinstance(self._trainer.strategy if self._trainer is not None else None, ModelParallelStrategy):
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        # The fused kernel updates every tensor in one call (0.24 vs 0.80 ms per step on the tiny model, 0.9 vs 4.5
+        # ms at 2.4M parameters on CPU); FSDP2's DTensors and DeepSpeed's own optimizer wrapper keep the default.
+        fused = (not isinstance(strategy, ModelParallelStrategy | DeepSpeedStrategy)
+                 and all(p.device.type in ("cpu", "cuda") for p in params))
+        optimizer = torch.optim.AdamW(params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay,
+                                      betas=self.hparams.betas, fused=fused or None)
+        if isinstance(strategy, ModelParallelStrategy):
             _materialize_optimizer_state(optimizer)
         warmup = self.hparams.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
@@ -359,7 +371,7 @@ class RLVRModule(pl.LightningModule):
         """Log-probs and entropy (``S̄``, nucleus stats) of ``batch``'s completion tokens under ``model`` at its τ."""
         if self.hparams.fused_logprobs:
             return self._fused_token_stats(model, batch, entropy_grad, with_sbar, nucleus_top_p)
-        logits = self._completion_logits(model, batch)
+        logits = self._completion_outputs(model, batch)
         chunk = self.hparams.logprob_chunk_size or chunk_rows(logits.shape[-1])
         stats = token_logprobs_and_entropy(logits, batch.completion_ids, batch.temperature, chunk,
                                            entropy_grad=entropy_grad, with_sbar=with_sbar)
@@ -368,26 +380,17 @@ class RLVRModule(pl.LightningModule):
                                                                             chunk)
         return stats
 
-    @staticmethod
-    def _completion_logits(model: torch.nn.Module, batch: RolloutBatch) -> Tensor:
-        width = batch.completion_ids.shape[1]
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            use_cache=False,
-            logits_to_keep=width + 1,  # the lm_head runs only on positions that predict completion tokens
-        )
-        return out.logits[:, -(width + 1) : -1]
+    def _completion_outputs(self, module: torch.nn.Module, batch: RolloutBatch) -> Tensor:
+        """Logits (or, for a decoder, last hidden states) at the positions that predict ``batch``'s completion."""
+        share = self.hparams.share_prompt_forward and not is_sharded(module)
+        return completion_positions_output(module, batch.input_ids, batch.attention_mask, batch.position_ids,
+                                           batch.prompt_length, share_prompts=share)
 
     def _fused_token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool, with_sbar: bool,
                            nucleus_top_p: float | None) -> TokenStats:
         """:meth:`token_stats` from the backbone's last hidden states: the ``lm_head`` never runs."""
         head = model.get_output_embeddings()
-        width = batch.completion_ids.shape[1]
-        out = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                  position_ids=batch.position_ids, use_cache=False)
-        hidden = out.last_hidden_state[:, -(width + 1) : -1]
+        hidden = self._completion_outputs(model.get_decoder(), batch)
         stats = hidden_logprobs_and_entropy(hidden, head.weight, batch.completion_ids, batch.temperature,
                                             self.hparams.logprob_chunk_size, entropy_grad=entropy_grad,
                                             with_sbar=with_sbar, bias=head.bias)
@@ -404,7 +407,7 @@ class RLVRModule(pl.LightningModule):
         """Once: the fused log-probs of two rows must match those from the model's own logits."""
         rows = torch.arange(min(2, len(batch)), device=batch.input_ids.device)
         sample = batch.select(rows)
-        logits = self._completion_logits(model, sample)
+        logits = self._completion_outputs(model, sample)
         expected = token_logprobs_and_entropy(logits, sample.completion_ids, sample.temperature).logprobs
         got = stats.logprobs[: len(rows)].detach()
         mask = sample.response_mask.bool()
@@ -510,6 +513,9 @@ class RLVRModule(pl.LightningModule):
         for _ in range(hp.ppo_epochs):
             order = torch.randperm(n, device=self.device) if n_updates > 1 else torch.arange(n, device=self.device)
             for mb_index in order.split(minibatch):
+                # In row order a group's completions sit together, so micro-batches share their prompt forward;
+                # the minibatch's gradient is the same in any order.
+                mb_index = mb_index.sort().values
                 mb_mask = mask[mb_index]
                 normalizer = self._global_sum(aggregation_normalizer(mb_mask, hp.loss_aggregation,
                                                                      hp.loss_scale_factor))

@@ -132,6 +132,25 @@ def test_fused_hidden_state_logprobs_give_the_same_updates_as_the_logits_path(ti
     torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_shared_prompt_forward_gives_the_same_updates_as_full_rows(tiny_model_dir, fused):
+    batch = frozen_rollout(tiny_model_dir)
+    params, embedded_tokens = [], []
+    for share in (False, True):
+        torch.manual_seed(0)
+        # Two shuffled minibatches and a KL term: the policy's forwards with and without gradient and the reference's.
+        module = RLVRModule(model=tiny_model_dir, share_prompt_forward=share, fused_logprobs=fused, minibatch_size=16,
+                            kl_coef=0.1)
+        module.configure_model()
+        tokens: list[int] = []
+        module.policy.get_input_embeddings().register_forward_hook(lambda m, args, out: tokens.append(args[0].numel()))
+        trainer(2).fit(module, FixedRollout(batch, source=BuiltinTask("reverse", num_digits=3), val_samples=0))
+        params.append(torch.cat([p.detach().flatten() for p in module.policy.parameters()]))
+        embedded_tokens.append(sum(tokens))
+    torch.testing.assert_close(params[1], params[0], atol=1e-6, rtol=1e-5)
+    assert embedded_tokens[1] < 0.8 * embedded_tokens[0], embedded_tokens
+
+
 def test_fused_logprobs_refuse_a_model_whose_logits_are_not_a_linear_map_of_its_hidden_state(tiny_model_dir):
     batch = frozen_rollout(tiny_model_dir)
     module = RLVRModule(model=tiny_model_dir, fused_logprobs=True)

@@ -3,14 +3,13 @@ transformers' ``generate`` for policies sharded across ranks."""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import Tensor, nn
 
 from lightning_rlvr.distributed import world_size
 from lightning_rlvr.ops.fused_logprobs import DEFAULT_CHUNK_BYTES, chunk_rows
 from lightning_rlvr.ops.logprobs import TokenStats, token_logprobs_and_entropy
+from lightning_rlvr.ops.shared_prompt import cache_keyword
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
 from lightning_rlvr.sharding import is_sharded
 
@@ -47,17 +46,13 @@ def _set_mode(model: nn.Module, training: bool) -> None:
         module.training = training
 
 
-def _cache_argument(model: nn.Module) -> str:
-    """The keyword of ``model.forward``'s KV cache (transformers renamed ``past_key_values`` to ``cache``)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 class HFEngine(RolloutEngine):
     """Generates on the live training module with a KV cache (no weight copy, so sync is free).
 
     The policy is put in eval mode while generating and restored afterwards. Prompts are repeated ``n``
-    times, so rows come grouped by prompt. On one device the tokens are drawn by a plain decoding loop: a
-    prefill over the left-padded prompts, then one cached forward per token, each sampled from
+    times, so rows come grouped by prompt. On one device the tokens are drawn by a plain decoding loop: one
+    prefill over the left-padded prompts (each prompt once; its KV cache is then repeated for its ``n`` samples),
+    then one cached forward per token, each sampled from
     ``softmax(logits / temperature)`` after top-k and top-p exactly as transformers' ``generate`` does (the same
     seed gives the same tokens), rows that emitted EOS padded, and the loop stopped once every row has. It skips
     ``generate``'s per-token bookkeeping (a few ms per step on small models). When the policy is sharded across
@@ -97,8 +92,8 @@ class HFEngine(RolloutEngine):
         config = policy.generation_config
         pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
         device = next(policy.parameters()).device
-        prompt_ids, prompt_mask = self.left_pad(prompts, pad_id, device)
-        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(n, dim=0), prompt_mask.repeat_interleave(n, dim=0)
+        distinct_ids, distinct_mask = self.left_pad(prompts, pad_id, device)
+        prompt_ids, prompt_mask = distinct_ids.repeat_interleave(n, dim=0), distinct_mask.repeat_interleave(n, dim=0)
         synced = world_size() > 1 and is_sharded(policy)
         was_training = policy.training
         _set_mode(policy, False)
@@ -107,7 +102,7 @@ class HFEngine(RolloutEngine):
             if synced or not self.use_cache:
                 completion_ids = self._hf_generate(policy, prompt_ids, prompt_mask, sampling, pad_id, synced)
             else:
-                completion_ids, behaviour = self._decode(policy, prompt_ids, prompt_mask, sampling, pad_id)
+                completion_ids, behaviour = self._decode(policy, distinct_ids, distinct_mask, n, sampling, pad_id)
         finally:
             _set_mode(policy, was_training)
         return GenerationOutput(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
@@ -118,17 +113,23 @@ class HFEngine(RolloutEngine):
         eos = policy.generation_config.eos_token_id
         return torch.tensor(eos if isinstance(eos, list) else [eos], device=device)
 
-    def _decode(self, policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingConfig,
+    def _decode(self, policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, n: int, sampling: SamplingConfig,
                 pad_id: int) -> tuple[Tensor, TokenStats | None]:
+        """Samples ``n`` completions of each of the distinct prompts ``prompt_ids`` (rows grouped by prompt)."""
         from transformers import DynamicCache
 
         eos_ids = self._eos_ids(policy, prompt_ids.device)
-        attention = prompt_mask
         positions = (prompt_mask.cumsum(-1) - 1).clamp_min(0)
-        cache = {_cache_argument(policy): DynamicCache(config=policy.config)}
-        logits = policy(input_ids=prompt_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                        logits_to_keep=1, **cache).logits[:, -1]
-        finished = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
+        cache = DynamicCache(config=policy.config)
+        # The prefill runs once per distinct prompt; its cache and last logits are then repeated for the n samples.
+        logits = policy(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=1, **{cache_keyword(policy): cache}).logits[:, -1]
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+        attention, positions = prompt_mask.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0)
+        cache = {cache_keyword(policy): cache}
+        finished = torch.zeros(attention.shape[0], dtype=torch.bool, device=prompt_ids.device)
         tokens: list[Tensor] = []
         exact = logits.dtype == torch.float32 and not torch.is_autocast_enabled(logits.device.type)
         wanted = self.behaviour_stats and sampling.behaviour_stats and not sampling.greedy

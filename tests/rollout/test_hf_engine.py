@@ -79,6 +79,18 @@ def test_rows_are_padded_after_eos_and_grouped_by_prompt(policy):
             assert set(row[row.index(eos) + 1:]) <= {pad}
 
 
+def test_the_prefill_encodes_each_prompt_once(tiny_model_dir):
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    shapes: list[tuple[int, int]] = []
+    policy.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    engine = HFEngine()
+    engine.sync(policy, 0)
+    engine.generate(PROMPTS, 5, SamplingConfig(max_new_tokens=3, greedy=True))
+    width = max(len(p) for p in PROMPTS)
+    assert shapes[0] == (len(PROMPTS), width)  # then one token for each of the 15 rows per step
+    assert shapes[1:] == [(len(PROMPTS) * 5, 1)] * (len(shapes) - 1) and len(shapes) > 1
+
+
 def test_policy_mode_is_restored_and_no_gradient_is_recorded(policy):
     engine = HFEngine()
     engine.sync(policy, 0)
