@@ -115,20 +115,20 @@ class HFEngine(RolloutEngine):
 
     def _decode(self, policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, n: int, sampling: SamplingConfig,
                 pad_id: int) -> tuple[Tensor, TokenStats | None]:
-        """Samples ``n`` completions of each of the distinct prompts ``prompt_ids`` (rows grouped by prompt)."""
+        """Samples ``n`` completions of each distinct prompt in ``prompt_ids``; rows come back grouped by prompt."""
         from transformers import DynamicCache
 
         eos_ids = self._eos_ids(policy, prompt_ids.device)
         positions = (prompt_mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=policy.config)
+        cache_argument = {cache_keyword(policy): cache}
         # The prefill runs once per distinct prompt; its cache and last logits are then repeated for the n samples.
         logits = policy(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                        logits_to_keep=1, **{cache_keyword(policy): cache}).logits[:, -1]
+                        logits_to_keep=1, **cache_argument).logits[:, -1]
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
         attention, positions = prompt_mask.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0)
-        cache = {cache_keyword(policy): cache}
         finished = torch.zeros(attention.shape[0], dtype=torch.bool, device=prompt_ids.device)
         tokens: list[Tensor] = []
         exact = logits.dtype == torch.float32 and not torch.is_autocast_enabled(logits.device.type)
@@ -165,7 +165,7 @@ class HFEngine(RolloutEngine):
             attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], dim=1)
             positions = positions[:, -1:] + 1
             logits = policy(input_ids=chosen.unsqueeze(1), attention_mask=attention, position_ids=positions,
-                            use_cache=True, **cache).logits[:, -1]
+                            use_cache=True, **cache_argument).logits[:, -1]
         if stats is not None:
             flush()
         behaviour = None if stats is None else TokenStats(*(torch.cat([getattr(s, name) for s in stats], dim=1)
