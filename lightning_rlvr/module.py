@@ -57,7 +57,7 @@ from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
 from lightning_rlvr.ops import TokenStats, nucleus_entropy_and_gap, token_logprobs_and_entropy
 from lightning_rlvr.ops.fused_logprobs import chunk_rows, hidden_logprobs_and_entropy, hidden_nucleus_entropy_and_gap
-from lightning_rlvr.ops.shared_prompt import completion_positions_output
+from lightning_rlvr.ops.shared_prompt import WORTHWHILE_SAVING, completion_positions_output
 from lightning_rlvr.sharding import fsdp2_shard, global_grad_norm, is_sharded
 
 __all__ = ["RLVRModule"]
@@ -155,8 +155,12 @@ class RLVRModule(pl.LightningModule):
             KV cache (:func:`~lightning_rlvr.ops.shared_prompt.completion_positions_output`), instead of encoding
             the prompt once per completion: the same log-probs and gradients up to float rounding, with the
             prompt's FLOPs divided by the group size (1.7× faster forward + backward on the 2.4M-parameter
-            benchmark model at 4 new tokens). Off automatically under FSDP2 / ZeRO-3 sharding; turn it off for
-            gradient checkpointing, which disables the cache.
+            benchmark model at 4 new tokens). ``"auto"``: when the saving outweighs the second forward's
+            overhead, i.e. (repeated prompt tokens) × (non-embedding parameters) ≥
+            :data:`~lightning_rlvr.ops.shared_prompt.WORTHWHILE_SAVING` (any real LM; not the 77k-parameter
+            built-in model, where it costs ~1.5 ms a step); ``True``: whenever prompts repeat; ``False``: never.
+            Off automatically under FSDP2 / ZeRO-3 sharding; turn it off for gradient checkpointing, which
+            disables the cache.
         trust_remote_code: passed to ``from_pretrained``.
         engine_is_cap: truncated importance sampling against a rollout engine's own log-probs (vLLM): weight each
             token's policy loss by ``min(π_old / π_engine, engine_is_cap)`` (``None`` = off; 2–3 as in verl/TRL).
@@ -187,7 +191,7 @@ class RLVRModule(pl.LightningModule):
         kl_estimator: KLEstimator = "k3",
         logprob_chunk_size: int | None = None,
         fused_logprobs: bool = False,
-        share_prompt_forward: bool = True,
+        share_prompt_forward: bool | Literal["auto"] = "auto",
         trust_remote_code: bool = False,
         engine_is_cap: float | None = None,
     ) -> None:
@@ -249,6 +253,9 @@ class RLVRModule(pl.LightningModule):
             raise ValueError(f"RLVRModule: advantage must be 'grpo' or 'rloo', got {args['advantage']!r}")
         if args["kl_estimator"] not in ("k1", "abs", "k2", "k3", "k3+"):
             raise ValueError(f"RLVRModule: unknown kl_estimator {args['kl_estimator']!r}")
+        if args["share_prompt_forward"] not in (True, False, "auto"):
+            raise ValueError(f"RLVRModule: share_prompt_forward must be True, False or 'auto', "
+                             f"got {args['share_prompt_forward']!r}")
         if args["model"] != BUILTIN_MODEL and args["tiny_model"] is not None:
             raise ValueError("RLVRModule: tiny_model is only used with model='builtin:tiny'")
 
@@ -382,9 +389,11 @@ class RLVRModule(pl.LightningModule):
 
     def _completion_outputs(self, module: torch.nn.Module, batch: RolloutBatch) -> Tensor:
         """Logits (or, for a decoder, last hidden states) at the positions that predict ``batch``'s completion."""
-        share = self.hparams.share_prompt_forward and not is_sharded(module)
+        setting = self.hparams.share_prompt_forward
+        share = setting is not False and not is_sharded(module)
         return completion_positions_output(module, batch.input_ids, batch.attention_mask, batch.position_ids,
-                                           batch.prompt_length, share_prompts=share)
+                                           batch.prompt_length, share_prompts=share,
+                                           min_saving=WORTHWHILE_SAVING if setting == "auto" else 0.0)
 
     def _fused_token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool, with_sbar: bool,
                            nucleus_top_p: float | None) -> TokenStats:
@@ -615,8 +624,11 @@ class RLVRModule(pl.LightningModule):
         metrics = self._step_metrics(rollout, entropy, sums, applied, skipped, n_updates)
         metrics.update(ctx.metrics.means())
         self.log_step_metrics(metrics)
-        self.log_dict({"reward": metrics["reward/mean"], "entropy": metrics["entropy/token_mean"]},
-                      on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=n)
+        # self.log costs ~1 ms a step (tiny model: 4%): only for a progress bar or a callback that monitors a key
+        trainer = self.trainer
+        if trainer.progress_bar_callback is not None or any(getattr(cb, "monitor", None) for cb in trainer.callbacks):
+            self.log_dict({"reward": metrics["reward/mean"], "entropy": metrics["entropy/token_mean"]},
+                          on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=n)
         return {"rewards": rollout.rewards.detach(), "entropy": entropy.detach(), "mask": mask.detach()}
 
     def _engine_mismatch(self, pl_out: PolicyLossOutput, old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor,

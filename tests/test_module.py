@@ -151,6 +151,20 @@ def test_the_shared_prompt_forward_gives_the_same_updates_as_full_rows(tiny_mode
     assert embedded_tokens[1] < 0.8 * embedded_tokens[0], embedded_tokens
 
 
+def test_auto_prompt_sharing_is_off_for_the_tiny_model_and_on_past_the_worthwhile_saving(tiny_model_dir, monkeypatch):
+    batch = frozen_rollout(tiny_model_dir)
+    module = RLVRModule(model=tiny_model_dir)  # share_prompt_forward="auto"
+    module.configure_model()
+    shapes: list[tuple[int, ...]] = []
+    module.policy.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(args[0].shape))
+    module.token_stats(module.policy, batch)
+    assert shapes == [batch.input_ids.shape]  # 32 rows x (prompt + completion): below 1e8 parameter-tokens
+    monkeypatch.setattr("lightning_rlvr.module.WORTHWHILE_SAVING", 1.0)
+    shapes.clear()
+    module.token_stats(module.policy, batch)
+    assert len(shapes) == 2 and shapes[0][0] == len(batch.group_ids.unique())
+
+
 def test_fused_logprobs_refuse_a_model_whose_logits_are_not_a_linear_map_of_its_hidden_state(tiny_model_dir):
     batch = frozen_rollout(tiny_model_dir)
     module = RLVRModule(model=tiny_model_dir, fused_logprobs=True)
@@ -267,6 +281,7 @@ def test_an_off_policy_rollout_is_refused(tiny_model_dir):
         ({"clip_low": 1.5}, "clip_low"),
         ({"minibatch_size": 0}, "minibatch_size"),
         ({"logprob_chunk_size": 0}, "logprob_chunk_size"),
+        ({"share_prompt_forward": "always"}, "share_prompt_forward"),
     ],
 )
 def test_invalid_arguments_are_rejected_at_construction(kwargs, message):

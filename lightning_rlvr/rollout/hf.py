@@ -13,7 +13,7 @@ from lightning_rlvr.ops.shared_prompt import cache_keyword
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
 from lightning_rlvr.sharding import is_sharded
 
-__all__ = ["HFEngine"]
+__all__ = ["HFEngine", "takes_prepared_mask"]
 
 
 def _warp(logits: Tensor, sampling: SamplingConfig) -> Tensor:
@@ -36,6 +36,20 @@ def _warp(logits: Tensor, sampling: SamplingConfig) -> Tensor:
     return logits
 
 
+def takes_prepared_mask(config) -> bool:
+    """Whether a one-token decoding step may be given its attention mask ready-made, as ``(B, 1, 1, L)`` booleans.
+
+    transformers passes a 4-D mask through untouched, which skips building one from the 2-D padding mask on every
+    forward (~0.2 ms, 15% of a tiny model's decoding step). For the last query position the causal mask is just the
+    padding mask, and SDPA reads booleans as "may attend". Eager attention adds its mask as floats, flash attention
+    wants 2-D, and a sliding window or chunked attention would be lost: those keep the 2-D mask.
+    """
+    layer_types = getattr(config, "layer_types", None) or ()
+    return (getattr(config, "_attn_implementation", None) == "sdpa"
+            and getattr(config, "sliding_window", None) is None and "sliding_attention" not in layer_types
+            and getattr(config, "attention_chunk_size", None) is None)
+
+
 def _set_mode(model: nn.Module, training: bool) -> None:
     """``model.train(training)`` without its cost (~0.4 ms on a tiny model, as much as a decoding step).
 
@@ -55,7 +69,8 @@ class HFEngine(RolloutEngine):
     then one cached forward per token, each sampled from
     ``softmax(logits / temperature)`` after top-k and top-p exactly as transformers' ``generate`` does (the same
     seed gives the same tokens), rows that emitted EOS padded, and the loop stopped once every row has. It skips
-    ``generate``'s per-token bookkeeping (a few ms per step on small models). When the policy is sharded across
+    ``generate``'s per-token bookkeeping (a few ms per step on small models) and, under SDPA, hands each step its
+    padding mask ready-made (:func:`takes_prepared_mask`). When the policy is sharded across
     ranks (FSDP2, DeepSpeed ZeRO-3) every forward gathers parameters from all ranks, so generation goes through
     ``generate(synced_gpus=True)``: a rank whose completions all ended keeps stepping until every rank is done.
 
@@ -129,6 +144,9 @@ class HFEngine(RolloutEngine):
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, dim=0)
         attention, positions = prompt_mask.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0)
+        prepared_mask = takes_prepared_mask(policy.config)
+        if prepared_mask:
+            attention = attention.bool()
         finished = torch.zeros(attention.shape[0], dtype=torch.bool, device=prompt_ids.device)
         tokens: list[Tensor] = []
         exact = logits.dtype == torch.float32 and not torch.is_autocast_enabled(logits.device.type)
@@ -164,7 +182,8 @@ class HFEngine(RolloutEngine):
                 break
             attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], dim=1)
             positions = positions[:, -1:] + 1
-            logits = policy(input_ids=chosen.unsqueeze(1), attention_mask=attention, position_ids=positions,
+            step_mask = attention[:, None, None, :] if prepared_mask else attention
+            logits = policy(input_ids=chosen.unsqueeze(1), attention_mask=step_mask, position_ids=positions,
                             use_cache=True, **cache_argument).logits[:, -1]
         if stats is not None:
             flush()

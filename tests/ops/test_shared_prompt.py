@@ -103,3 +103,18 @@ def test_gradient_checkpointing_is_refused_with_the_setting_to_change(model):
     input_ids, attention_mask, position_ids, prompt_length = rows(model.config.vocab_size)
     with pytest.raises(RuntimeError, match="share_prompt_forward=False"):
         completion_positions_output(model, input_ids, attention_mask, position_ids, prompt_length)
+
+
+@pytest.mark.parametrize("decoder", [False, True])
+def test_min_saving_shares_only_when_the_repeated_prompt_tokens_times_the_parameters_reach_it(model, decoder):
+    module = model.get_decoder() if decoder else model
+    input_ids, attention_mask, position_ids, prompt_length = rows(model.config.vocab_size)
+    body = sum(p.numel() for p in module.parameters()) - model.get_input_embeddings().weight.numel()
+    saving = (len(input_ids) - DISTINCT_PROMPTS) * prompt_length * body  # the rows that repeat a prompt
+    shapes = count_embedded_rows(model)
+    for min_saving, shares in ((saving, True), (saving + 1, False)):
+        shapes.clear()
+        completion_positions_output(module, input_ids, attention_mask, position_ids, prompt_length,
+                                    min_saving=min_saving)
+        assert (shapes[0][0] == DISTINCT_PROMPTS) == shares, (min_saving, shapes)
+        assert len(shapes) == (2 if shares else 1)

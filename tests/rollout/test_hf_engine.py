@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from lightning_rlvr.rollout.base import SamplingConfig
-from lightning_rlvr.rollout.hf import HFEngine
+from lightning_rlvr.rollout.hf import HFEngine, takes_prepared_mask
 
 PROMPTS = [[1, 6, 14, 9, 19], [1, 8, 19], [1, 5, 5, 14, 7, 19]]  # different lengths: left padding matters
 
@@ -167,3 +169,33 @@ def test_behaviour_stats_only_when_asked_exact_and_sampled(policy):
     with_stats = engine.generate(PROMPTS, 2, asked).completion_ids
     torch.manual_seed(0)
     assert torch.equal(off.generate(PROMPTS, 2, asked).completion_ids, with_stats)  # computing them draws nothing
+
+
+def test_decoding_steps_take_a_prepared_mask_only_where_it_means_the_same(tiny_model_dir):
+    """SDPA without a sliding window gets the padding mask as (B, 1, 1, L) booleans, so transformers builds none;
+    eager attention (adds a float mask) and windowed attention keep the 2-D mask; both draw generate's tokens."""
+    config = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config
+    assert config._attn_implementation == "sdpa" and takes_prepared_mask(config)
+    for changes in ({"_attn_implementation": "eager"}, {"sliding_window": 16}, {"attention_chunk_size": 8},
+                    {"layer_types": ["full_attention", "sliding_attention"]}):
+        changed = copy.deepcopy(config)
+        for name, value in changes.items():
+            setattr(changed, name, value)
+        assert not takes_prepared_mask(changed), changes
+
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0)
+    for implementation in ("sdpa", "eager"):
+        policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=implementation)
+        mask_dims: list[int] = []
+        policy.get_decoder().register_forward_pre_hook(
+            lambda module, args, kwargs, dims=mask_dims: dims.append(kwargs["attention_mask"].dim()), with_kwargs=True)
+        engine = HFEngine()
+        engine.sync(policy, 0)
+        torch.manual_seed(9)
+        ours = engine.generate(PROMPTS, 4, sampling).completion_ids
+        steps = len(mask_dims)
+        torch.manual_seed(9)
+        theirs = reference_generate(policy, engine, 4, sampling)
+        assert torch.equal(ours, theirs), implementation
+        assert steps == ours.shape[1]  # the prefill, then a forward per token after the first
+        assert mask_dims[:steps] == [2] + [4 if implementation == "sdpa" else 2] * (steps - 1), implementation
