@@ -117,7 +117,12 @@ class HFEngine(RolloutEngine):
             if synced or not self.use_cache:
                 completion_ids = self._hf_generate(policy, prompt_ids, prompt_mask, sampling, pad_id, synced)
             else:
-                completion_ids, behaviour = self._decode(policy, distinct_ids, distinct_mask, n, sampling, pad_id)
+                with torch.inference_mode():  # no autograd bookkeeping at all: ~5% of a small model's decoding step
+                    completion_ids, behaviour = self._decode(policy, distinct_ids, distinct_mask, n, sampling, pad_id)
+                # Inference tensors may not be saved for backward or changed in place later: hand out plain copies.
+                completion_ids = completion_ids.clone()
+                if behaviour is not None:
+                    behaviour = TokenStats(*(t.clone() for t in (behaviour.logprobs, behaviour.entropy, behaviour.sbar)))
         finally:
             _set_mode(policy, was_training)
         return GenerationOutput(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,

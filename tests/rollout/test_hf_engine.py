@@ -102,8 +102,13 @@ def test_policy_mode_is_restored_and_no_gradient_is_recorded(policy):
     engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=4))
     assert not any(module.training for module in policy.modules())
     policy.train()
-    out = engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=4))
+    out = engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=4, behaviour_stats=True))
     assert not out.completion_ids.requires_grad
+    # Decoded under inference mode, handed out as plain tensors: the trainer may save them for backward.
+    for tensor in (out.completion_ids, out.behaviour.logprobs, out.behaviour.entropy, out.behaviour.sbar):
+        assert not tensor.is_inference()
+    weights = torch.ones(out.completion_ids.shape, requires_grad=True)
+    (weights * out.behaviour.logprobs).gather(1, out.completion_ids.clamp(max=1)).sum().backward()
 
 
 def test_generating_before_sync_is_a_clear_error():
