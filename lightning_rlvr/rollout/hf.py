@@ -3,6 +3,8 @@ transformers' ``generate`` for policies sharded across ranks."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -109,7 +111,11 @@ class HFEngine(RolloutEngine):
         device = next(policy.parameters()).device
         distinct_ids, distinct_mask = self.left_pad(prompts, pad_id, device)
         prompt_ids, prompt_mask = distinct_ids.repeat_interleave(n, dim=0), distinct_mask.repeat_interleave(n, dim=0)
-        synced = world_size() > 1 and is_sharded(policy)
+        sharded = is_sharded(policy)
+        synced = world_size() > 1 and sharded
+        # FSDP2 and ZeRO-3 gather parameters inside the forward and track their version counters, which
+        # inference tensors lack: a sharded policy decodes under the plain no_grad of this method.
+        decoding_mode = contextlib.nullcontext() if sharded else torch.inference_mode()
         was_training = policy.training
         _set_mode(policy, False)
         behaviour = None
@@ -117,7 +123,7 @@ class HFEngine(RolloutEngine):
             if synced or not self.use_cache:
                 completion_ids = self._hf_generate(policy, prompt_ids, prompt_mask, sampling, pad_id, synced)
             else:
-                with torch.inference_mode():  # no autograd bookkeeping at all: ~5% of a small model's decoding step
+                with decoding_mode:  # inference mode: no autograd bookkeeping at all, ~5% of a small model's step
                     completion_ids, behaviour = self._decode(policy, distinct_ids, distinct_mask, n, sampling, pad_id)
                 # Inference tensors may not be saved for backward or changed in place later: hand out plain copies.
                 completion_ids = completion_ids.clone()

@@ -204,3 +204,26 @@ def test_decoding_steps_take_a_prepared_mask_only_where_it_means_the_same(tiny_m
         assert torch.equal(ours, theirs), implementation
         assert steps == ours.shape[1]  # the prefill, then a forward per token after the first
         assert mask_dims[:steps] == [2] + [4 if implementation == "sdpa" else 2] * (steps - 1), implementation
+
+
+def test_an_fsdp2_sharded_policy_decodes_the_same_tokens(policy, tmp_path):
+    """FSDP2 gathers parameters inside the forward and tracks their version counters, which inference tensors
+    lack: a sharded policy (here on a one-rank group, as a single-process FSDP run has) decodes under no_grad."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_rlvr.sharding import fsdp2_shard, is_sharded
+
+    sampling = SamplingConfig(max_new_tokens=6, greedy=True)
+    engine = HFEngine()
+    engine.sync(policy, 0)
+    expected = engine.generate(PROMPTS, 2, sampling).completion_ids
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        sharded = fsdp2_shard(copy.deepcopy(policy), init_device_mesh("cpu", (1,)))
+        assert is_sharded(sharded)
+        engine.sync(sharded, 1)
+        got = engine.generate(PROMPTS, 2, sampling).completion_ids
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(got, expected)
