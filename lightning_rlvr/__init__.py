@@ -1,7 +1,31 @@
 """lightning_rlvr: reinforcement learning with verifiable rewards on PyTorch Lightning, built around entropy control."""
 
-from lightning_rlvr.data import BuiltinTask, FileSource, RolloutBatch, RolloutDataModule
-from lightning_rlvr.module import RLVRModule
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_rlvr.data import BuiltinTask, FileSource, RolloutBatch, RolloutDataModule
+    from lightning_rlvr.module import RLVRModule
 
 __version__ = "0.1.0"
 __all__ = ["BuiltinTask", "FileSource", "RLVRModule", "RolloutBatch", "RolloutDataModule", "__version__"]
+
+# Imported on first use (PEP 562): the trainer pulls in Lightning and transformers (~5 s), which a process that
+# only needs the kernels (``lightning_rlvr.ops``), a verifier or the task data should not pay for.
+_HOMES = {"BuiltinTask": "lightning_rlvr.data", "FileSource": "lightning_rlvr.data",
+          "RolloutBatch": "lightning_rlvr.data", "RolloutDataModule": "lightning_rlvr.data",
+          "RLVRModule": "lightning_rlvr.module"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lightning_rlvr' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -36,10 +36,15 @@ from torch import Tensor, nn
 __all__ = ["block_classes", "fsdp2_shard", "full_weights", "global_grad_norm", "is_dtensor", "is_sharded", "is_zero3"]
 
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support: nothing can be a DTensor
+    DTensor = ()
+
+
 def is_dtensor(tensor: Any) -> bool:
     """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard)."""
-    from torch.distributed.tensor import DTensor
-
+    # Imported once above: an import statement here cost ~1.5 us a call, ~0.1 ms a step of the tiny model.
     return isinstance(tensor, DTensor)
 
 

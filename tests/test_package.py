@@ -1,0 +1,27 @@
+"""The package's top level: its names resolve on first use, and the kernels import without the trainer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import lightning_rlvr
+
+
+def test_kernels_import_without_lightning_or_transformers():
+    code = ("import sys, lightning_rlvr.ops; "
+            "print(sorted(m for m in ('lightning', 'transformers', 'lightning_rlvr.module') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_top_level_names_are_the_classes_of_their_modules():
+    from lightning_rlvr.data import RolloutDataModule
+    from lightning_rlvr.module import RLVRModule
+
+    assert lightning_rlvr.RLVRModule is RLVRModule and lightning_rlvr.RolloutDataModule is RolloutDataModule
+    assert set(lightning_rlvr.__all__) <= set(dir(lightning_rlvr))
+    with pytest.raises(AttributeError, match="no attribute 'RLVRModel'"):
+        lightning_rlvr.RLVRModel  # noqa: B018
