@@ -5,7 +5,8 @@ one callback list per row; each measurement runs in its own process and the rows
 (median of the rounds). The cost of an intervention is what it adds to the step, including what it makes the
 module compute: ``old_stats`` (the behaviour policy's stats before the update: since HFEngine returns them from
 its decoding loop, a few small kernel calls there instead of a no-grad forward) and ``ref_logprobs`` (a forward
-of the frozen reference: EP-GRPO).
+of the frozen reference: EP-GRPO). ``all_but_reference`` is the stack without EP-GRPO: the callbacks' own cost
+apart from that second model's forward.
 
     python benchmarks/bench_interventions.py
     python benchmarks/bench_interventions.py --rounds 5 --steps 60 --new-tokens 16 --json interventions.json
@@ -48,18 +49,23 @@ def interventions(name: str) -> list:
     }
     if name in single:
         return single[name]
+    # One of each family that can act together: advantage shaping (GTPO, stage-aware position shaping, HAPO),
+    # token selection and weighting (TopEntropyTokens, STEER), covariance control (Clip-Cov, KL-Cov), entropy
+    # regularisation (AdaptiveEntropy, PAEC), flow balancing (OPEFO) and EP-GRPO's reference-anchored term.
+    stack = [cb.StageDetector(), cb.GTPO(), cb.PositionShaping(active_steps=None), cb.HAPO(), cb.TopEntropyTokens(),
+             cb.STEER(), cb.ClipCov(), cb.KLCov(), cb.AdaptiveEntropy(), cb.PAEC(), cb.OPEFO()]
     if name == "all_paper":
-        # One of each family that can act together: advantage shaping (GTPO, stage-aware position shaping, HAPO),
-        # token selection and weighting (TopEntropyTokens, STEER), covariance control (Clip-Cov, KL-Cov), entropy
-        # regularisation (AdaptiveEntropy, PAEC), flow balancing (OPEFO) and EP-GRPO's reference-anchored term.
-        return [cb.StageDetector(), cb.GTPO(), cb.PositionShaping(active_steps=None), cb.HAPO(),
-                cb.TopEntropyTokens(), cb.STEER(), cb.ClipCov(), cb.KLCov(), cb.AdaptiveEntropy(), cb.PAEC(),
-                cb.OPEFO(), cb.EPGRPO()]
+        return [*stack, cb.EPGRPO()]
+    if name == "all_but_reference":
+        # The same stack without EP-GRPO, the one intervention that needs a forward of a second model: what the
+        # callbacks' own work costs, apart from that forward.
+        return stack
     raise ValueError(f"unknown row {name!r}")
 
 
 ROWS = ("grpo", "clip_cov", "kl_cov", "top_entropy_tokens", "entropy_bonus", "adaptive_entropy", "gtpo",
-        "perplexity_shaping", "position_shaping", "steer", "paec", "opefo", "hapo", "ep_grpo", "all_paper")
+        "perplexity_shaping", "position_shaping", "steer", "paec", "opefo", "hapo", "ep_grpo", "all_paper",
+        "all_but_reference")
 
 
 def worker(row: str, model: str, new_tokens: int, steps: int, warmup: int) -> dict:
