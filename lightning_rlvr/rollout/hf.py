@@ -123,7 +123,7 @@ class HFEngine(RolloutEngine):
             if synced or not self.use_cache:
                 completion_ids = self._hf_generate(policy, prompt_ids, prompt_mask, sampling, pad_id, synced)
             else:
-                with decoding_mode:  # inference mode: no autograd bookkeeping at all, ~5% of a small model's step
+                with decoding_mode:  # unsharded: inference mode, no autograd bookkeeping (~5% of a small model's step)
                     completion_ids, behaviour = self._decode(policy, distinct_ids, distinct_mask, n, sampling, pad_id)
                 # Inference tensors may not be saved for backward or changed in place later: hand out plain copies.
                 completion_ids = completion_ids.clone()
