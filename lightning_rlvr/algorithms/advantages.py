@@ -16,14 +16,22 @@ __all__ = ["group_mean_std", "grpo_advantages", "rloo_advantages"]
 def group_mean_std(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-completion mean, unbiased std (N−1) and size of its group.
 
-    Groups of size 1 get std 1 (verl's convention), so their advantage is ``r − r = 0``.
+    The mean is taken as ``m + mean_G(r − m)`` with ``m`` the group's smallest reward: a group whose rewards are
+    all equal then has a mean *exactly* equal to them (``r − m = 0`` in any precision), so its centred rewards, std
+    and every advantage below are exactly 0 — ``sum / n`` in float32 is not (eight rewards of 1/3 would give each
+    member ``+0.029`` after the std division). Measuring from a member also avoids cancellation for large rewards.
+
+    A group of size 1 gets std 1 (and centred reward ``r − r = 0``), so its advantage is 0: this project's
+    convention, as it is DAPO dynamic sampling's to keep singletons (verl instead gives a singleton mean 0, std 1,
+    i.e. advantage ``r``).
     """
     rewards = rewards.float()
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     n_groups = counts.numel()
-    sums = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, rewards)
+    lowest = torch.full((n_groups,), torch.inf, device=rewards.device).scatter_reduce(0, inverse, rewards, "amin")
+    offsets = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, rewards - lowest[inverse])
     counts_f = counts.to(rewards.device).float()
-    means = sums / counts_f
+    means = lowest + offsets / counts_f
     sq = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, (rewards - means[inverse]) ** 2)
     std = torch.where(counts_f > 1, (sq / (counts_f - 1).clamp_min(1)).sqrt(), torch.ones_like(means))
     return means[inverse], std[inverse], counts_f[inverse]
