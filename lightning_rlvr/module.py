@@ -55,6 +55,7 @@ from lightning_rlvr.algorithms.aggregation import AGGREGATION_MODES
 from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, Needs, StepContext
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
+from lightning_rlvr.models.tiny_chat import CHAT_MODEL_SHAPE, build_tiny_chat_model
 from lightning_rlvr.ops import TokenStats, nucleus_entropy_and_gap, token_logprobs_and_entropy
 from lightning_rlvr.ops.fused_logprobs import chunk_rows, hidden_logprobs_and_entropy, hidden_nucleus_entropy_and_gap
 from lightning_rlvr.ops.shared_prompt import WORTHWHILE_SAVING, completion_positions_output
@@ -63,6 +64,10 @@ from lightning_rlvr.sharding import fsdp2_shard, global_grad_norm, is_sharded
 __all__ = ["RLVRModule"]
 
 BUILTIN_MODEL = "builtin:tiny"
+BUILTIN_CHAT_MODEL = "builtin:tiny-chat"
+# Each built-in model's builder and default shape (``tiny_model`` overrides fields of it).
+_BUILTIN_BUILDERS = {BUILTIN_MODEL: (build_tiny_model, TinyModelConfig()),
+                     BUILTIN_CHAT_MODEL: (build_tiny_chat_model, CHAT_MODEL_SHAPE)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -111,6 +116,17 @@ def _drop_reference_weights(module: nn.Module, state_dict: dict[str, Any], prefi
         del state_dict[key]
 
 
+def _load_generation_config(path: str, trust_remote_code: bool):
+    """The ``GenerationConfig`` ``from_pretrained(path)`` gives the model: ``generation_config.json``, else derived
+    from the model config (as transformers does for checkpoints without one)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
@@ -120,10 +136,12 @@ class RLVRModule(pl.LightningModule):
     """Policy-gradient learner for reinforcement learning with verifiable rewards.
 
     Args:
-        model: ``"builtin:tiny"`` (the offline tiny Llama + character tokenizer), a local directory or a hub id
-            loaded with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
-        tiny_model: shape of the built-in model, a ``TinyModelConfig`` or its fields as a dict (stored as a dict, so
-            checkpoints load with ``weights_only=True``; used only with ``"builtin:tiny"``).
+        model: ``"builtin:tiny"`` (the offline tiny Llama + character tokenizer), ``"builtin:tiny-chat"`` (the offline
+            tiny instruct Qwen2: byte-level BPE, ChatML chat template, two stop ids;
+            :mod:`lightning_rlvr.models.tiny_chat`), a local directory or a hub id loaded with
+            ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
+        tiny_model: shape of a built-in model, a ``TinyModelConfig`` or its fields as a dict (stored as a dict, so
+            checkpoints load with ``weights_only=True``; used only with the ``"builtin:*"`` models).
         dtype: parameter dtype of the policy (``None`` keeps the checkpoint's; ``"bfloat16"`` on GPUs).
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay.
@@ -206,9 +224,10 @@ class RLVRModule(pl.LightningModule):
         # checkpoint (DDP, FSDP2 full or distributed, DeepSpeed) gathers or writes it, nor expects it on load.
         self.register_state_dict_post_hook(_drop_reference_weights)
         self._tmpdir: tempfile.TemporaryDirectory | None = None
-        if model == BUILTIN_MODEL:
+        if model in _BUILTIN_BUILDERS:
             self._tmpdir = tempfile.TemporaryDirectory(prefix="lightning_rlvr_tiny_")
-            self.model_path = build_tiny_model(self._tmpdir.name, TinyModelConfig(**(tiny_model or {})))
+            build, default_shape = _BUILTIN_BUILDERS[model]
+            self.model_path = build(self._tmpdir.name, dataclasses.replace(default_shape, **(tiny_model or {})))
         else:
             self.model_path = model
         from transformers import AutoTokenizer
@@ -216,6 +235,9 @@ class RLVRModule(pl.LightningModule):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        # The checkpoint's generation config, read before the weights load: the DataModule takes its EOS ids (one or
+        # several) as stop ids in setup, which Lightning runs before configure_model.
+        self.generation_config = _load_generation_config(self.model_path, trust_remote_code)
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
         self.policy_version = 0
@@ -256,8 +278,9 @@ class RLVRModule(pl.LightningModule):
         if args["share_prompt_forward"] not in (True, False, "auto"):
             raise ValueError(f"RLVRModule: share_prompt_forward must be True, False or 'auto', "
                              f"got {args['share_prompt_forward']!r}")
-        if args["model"] != BUILTIN_MODEL and args["tiny_model"] is not None:
-            raise ValueError("RLVRModule: tiny_model is only used with model='builtin:tiny'")
+        if args["model"] not in _BUILTIN_BUILDERS and args["tiny_model"] is not None:
+            raise ValueError(f"RLVRModule: tiny_model is only used with a built-in model {sorted(_BUILTIN_BUILDERS)}, "
+                             f"not with {args['model']!r}")
 
     # -- models --------------------------------------------------------------------------------------------
     def _load(self):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_rlvr.loggers import InMemoryLogger
-from lightning_rlvr.models import TinyModelConfig, build_tiny_model
+from lightning_rlvr.models import TinyModelConfig, build_tiny_chat_model, build_tiny_model
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,6 +20,12 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def tiny_model_dir(tmp_path_factory) -> str:
     """A saved tiny Llama + char tokenizer directory (loaded with from_pretrained like a real checkpoint)."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), TinyModelConfig(seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory) -> str:
+    """A saved ``builtin:tiny-chat`` checkpoint: Qwen2, byte-level BPE, ChatML, stop ids [<|im_end|>, <|endoftext|>]."""
+    return build_tiny_chat_model(tmp_path_factory.mktemp("tiny_chat"))
 
 
 MemoryLogger = InMemoryLogger
@@ -49,12 +55,12 @@ class ScriptedEngine(RolloutEngine):
         for _ in range(len(prompts) * n):
             rows.append(self.completions[self._cursor % len(self.completions)])
             self._cursor += 1
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r)
+        # Like a real engine: each row ends at its first stop id or at the generation limit.
+        ids, lengths, stopped = self.right_pad([r[: sampling.max_new_tokens] for r in rows], self.pad_id,
+                                               sampling.stop_token_ids)
         prompt_ids, prompt_mask = self.left_pad(prompts, self.pad_id)
-        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0), ids)
+        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0), ids,
+                                lengths, stopped)
 
 
 def fake_trainer(policy_version: int = 0):

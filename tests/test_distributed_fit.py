@@ -55,7 +55,9 @@ class PromptSeededEngine(RolloutEngine):
         for i, row in enumerate(rows):
             ids[i, : len(row)] = torch.tensor(row)
         prompt_ids, prompt_mask = self.left_pad(prompts, self.pad_id)
-        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0), ids)
+        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0), ids,
+                                lengths=torch.tensor([len(row) for row in rows]),  # every row ends on its EOS
+                                stopped=torch.ones(len(rows), dtype=torch.bool))
 
 
 class Digits(PromptSource):

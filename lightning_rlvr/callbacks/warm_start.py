@@ -3,8 +3,11 @@
 RL from a random initialisation learns multi-token answers too slowly for a CPU quickstart
 (MEASUREMENTS.md §9: ``a+b=`` with operands 0..49 stays near 0 held-out accuracy after 4 minutes of pure
 RL), while 100 supervised steps on 5% of the problems give the policy the format and a held-out accuracy of
-≈0.04–0.12 from which GRPO climbs past 0.6. The warm start trains on ``prompt → answer + EOS`` with the
-cross-entropy of the answer tokens only, with its own AdamW (the RL optimizer's state is untouched).
+≈0.04–0.12 from which GRPO climbs past 0.6. The warm start trains on ``prompt → answer + end`` with the
+cross-entropy of the answer tokens only, with its own AdamW (the RL optimizer's state is untouched). The prompt is
+the rollouts' own (prompt and chat templates) and ``end`` the DataModule's
+:attr:`~lightning_rlvr.data.RolloutDataModule.end_token_id`: the tokenizer's EOS (``<|im_end|>`` for a ChatML
+checkpoint), one of the stop ids the rollouts cut at.
 
 It runs once, in ``on_fit_start`` (after the policy is built and placed on its device, before the sanity
 validation, so the first logged ``val/accuracy`` is the RL starting point), and never again after a resume:
@@ -103,7 +106,8 @@ class SupervisedWarmStart(Callback):
                 self._replay_on_reference(trainer, pl_module, reference)
             return
         problems = self._problems(trainer)
-        self.final_loss = self.fit(pl_module.policy, pl_module.tokenizer, problems, trainer.datamodule.prompt_ids)
+        self.final_loss = self.fit(pl_module.policy, pl_module.tokenizer, problems, trainer.datamodule.prompt_ids,
+                                   trainer.datamodule.end_token_id)
         pl_module.policy_version += 1  # weights changed: engines with their own copy must resync
         if reference is not None:
             reference.load_state_dict(pl_module.policy.state_dict())
@@ -129,7 +133,8 @@ class SupervisedWarmStart(Callback):
             for name, parameter in reference.named_parameters():  # the same parameters train as in the original
                 parameter.requires_grad_(name in trainable)
             try:
-                self.fit(reference, pl_module.tokenizer, self._problems(trainer), trainer.datamodule.prompt_ids)
+                self.fit(reference, pl_module.tokenizer, self._problems(trainer), trainer.datamodule.prompt_ids,
+                         trainer.datamodule.end_token_id)
             finally:
                 reference.requires_grad_(False).eval()
         replayed = fingerprint(reference)
@@ -138,19 +143,22 @@ class SupervisedWarmStart(Callback):
                            f"(fingerprint {replayed} vs {self.reference_fingerprint}); non-deterministic kernels "
                            f"make the replay inexact, so KL / reference log-ratios differ slightly after this resume")
 
-    def fit(self, policy: torch.nn.Module, tokenizer, problems, prompt_ids: Callable | None = None) -> float:
+    def fit(self, policy: torch.nn.Module, tokenizer, problems, prompt_ids: Callable | None = None,
+            end_token_id: int | None = None) -> float:
         """Run the warm start on ``policy``; returns the last step's loss.
 
         ``prompt_ids(problem)`` gives the prompt tokens exactly as the rollouts see them (the DataModule's
         :meth:`~lightning_rlvr.data.RolloutDataModule.prompt_ids`: prompt template, chat template); by default the
-        bare prompt with the tokenizer's special tokens.
+        bare prompt with the tokenizer's special tokens. ``end_token_id`` ends every answer (the DataModule's
+        :attr:`~lightning_rlvr.data.RolloutDataModule.end_token_id`, a stop id); by default the tokenizer's EOS.
         """
+        end_token_id = tokenizer.eos_token_id if end_token_id is None else end_token_id
         device = next(policy.parameters()).device
         examples = []
         for problem in problems:
             prompt = (prompt_ids(problem) if prompt_ids is not None
                       else tokenizer(problem.prompt, add_special_tokens=True).input_ids)
-            answer = tokenizer(problem.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            answer = tokenizer(problem.answer, add_special_tokens=False).input_ids + [end_token_id]
             examples.append((prompt, answer))
         pad = tokenizer.pad_token_id
         optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=self.learning_rate)

@@ -10,9 +10,12 @@ One rollout of ``prompts_per_step`` prompts:
 
 1. sync the policy into the engine if it changed (its version counter moved);
 2. generate ``group_size`` completions per prompt;
-3. cut each completion at its first EOS: a completion without EOS is *truncated* and scores 0, and one
-   with a special token inside its answer scores 0 (decoding with ``skip_special_tokens`` would let the
-   policy game the reward: ``<pad>4<unk>4`` read as ``44``);
+3. cut each completion where the engine says it ended: at its first stop id
+   (:mod:`lightning_rlvr.rollout.stops`: the generation config's EOS ids, the tokenizer's EOS and any
+   ``stop_token_ids``; the stop id is trained on, nothing after it). A completion that reached ``max_new_tokens``
+   without one is *truncated* and scores 0, and one with a special token, or an id past the tokenizer's vocabulary
+   (the padded embedding rows of Qwen-style checkpoints, which decode to nothing), inside its answer scores 0
+   (decoding with ``skip_special_tokens`` would let the policy game the reward: ``<pad>4<unk>4`` read as ``44``);
 4. score the rest with the verifier (a crash or hang scores 0 and is counted);
 5. optionally add DAPO's overlong penalty, and with ``dynamic_sampling`` drop groups whose rewards are all
    equal and generate again for fresh prompts until ``prompts_per_step`` informative groups are kept or
@@ -43,6 +46,7 @@ from lightning_rlvr.metrics.pass_at_k import pass_at_k
 from lightning_rlvr.metrics.rcea import majority_vote_correct
 from lightning_rlvr.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rlvr.rollout.hf import HFEngine
+from lightning_rlvr.rollout.stops import resolve_stop_token_ids
 from lightning_rlvr.sharding import is_sharded
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers.base import Verifier, VerifierRunner
@@ -187,6 +191,8 @@ class RolloutDataModule(pl.LightningDataModule):
         chat_template: format prompts with the tokenizer's chat template (instruct / chat models): the templated
             prompt is the user message, and the assistant's generation prompt is appended.
         system_prompt: a system message before the user message (only with ``chat_template``).
+        stop_token_ids: ids that end a completion besides the checkpoint's own (its generation config's
+            ``eos_token_id``, an int or a list, and the tokenizer's EOS, which always count).
         dynamic_sampling: DAPO dynamic sampling (keep only groups with non-identical rewards, refill).
         max_generation_rounds: generation rounds allowed per step when dynamic sampling refills.
         overlong_buffer: DAPO's ``L_cache`` (tokens before ``max_new_tokens`` where the length penalty ramps);
@@ -215,6 +221,7 @@ class RolloutDataModule(pl.LightningDataModule):
         prompt_template: str = "{prompt}",
         chat_template: bool = False,
         system_prompt: str | None = None,
+        stop_token_ids: list[int] | None = None,
         dynamic_sampling: bool = False,
         max_generation_rounds: int = 3,
         overlong_buffer: int = 0,
@@ -247,6 +254,8 @@ class RolloutDataModule(pl.LightningDataModule):
         except (KeyError, IndexError, ValueError) as err:
             raise ValueError(f"prompt_template {prompt_template!r} is not a valid str.format template ({err!r}); "
                              "write literal braces twice, e.g. \\boxed{{}}") from err
+        if stop_token_ids is not None and any(not isinstance(i, int) or i < 0 for i in stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {stop_token_ids!r}")
         if system_prompt is not None and not chat_template:
             raise ValueError("system_prompt needs chat_template=True (a plain prompt has no system message)")
         self.source = source if source is not None else BuiltinTask()
@@ -258,6 +267,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self.prompt_template = prompt_template
         self.chat_template = chat_template
         self.system_prompt = system_prompt
+        self.extra_stop_token_ids = tuple(stop_token_ids or ())
+        self.stop_token_ids: tuple[int, ...] = ()  # resolved in connect()
+        self.end_token_id: int | None = None
         self.dynamic_sampling = dynamic_sampling
         self.max_generation_rounds = max_generation_rounds
         self.overlong_buffer = overlong_buffer
@@ -308,23 +320,33 @@ class RolloutDataModule(pl.LightningDataModule):
         self._restored = state_dict
 
     # -- wiring --------------------------------------------------------------------------------------------
-    def connect(self, tokenizer) -> None:
-        """Give the DataModule the policy's tokenizer (done automatically in :meth:`setup` under a Trainer)."""
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos_token_id; completions cannot be cut at EOS")
+    def connect(self, tokenizer, generation_config=None) -> None:
+        """Give the DataModule the policy's tokenizer and generation config (done in :meth:`setup` under a Trainer).
+
+        The stop ids are resolved here, once, for every generation: the generation config's ``eos_token_id`` (int
+        or list), the tokenizer's EOS and ``stop_token_ids``
+        (:func:`~lightning_rlvr.rollout.stops.resolve_stop_token_ids`).
+        """
+        self.stop_token_ids = resolve_stop_token_ids(tokenizer, generation_config, self.extra_stop_token_ids)
+        self.sampling = replace(self.sampling, stop_token_ids=self.stop_token_ids)
+        # What a completion the policy is taught to write ends with (the warm start): the tokenizer's EOS, which
+        # for a chat checkpoint is the end of an assistant turn (<|im_end|>), else the first stop id.
+        self.end_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else self.stop_token_ids[0]
         if self.chat_template and not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"chat_template=True but the tokenizer of {tokenizer.name_or_path!r} has no chat "
                              f"template; use a chat / instruct checkpoint, or chat_template=False")
         self.tokenizer = tokenizer
         self._special_ids = set(tokenizer.all_special_ids)
+        self._vocabulary_size = len(tokenizer)  # a model's embedding may have more rows (Qwen pads it to 64s)
         self._prompt_cache.clear()
 
     def setup(self, stage: str) -> None:
         if self.tokenizer is None and self.trainer is not None:
-            tokenizer = getattr(self.trainer.lightning_module, "tokenizer", None)
+            module = self.trainer.lightning_module
+            tokenizer = getattr(module, "tokenizer", None)
             if tokenizer is None:
                 raise RuntimeError("RolloutDataModule needs a LightningModule with a `tokenizer` attribute")
-            self.connect(tokenizer)
+            self.connect(tokenizer, getattr(module, "generation_config", None))
 
     def teardown(self, stage: str) -> None:
         self.runner.close()
@@ -390,21 +412,21 @@ class RolloutDataModule(pl.LightningDataModule):
                             first_group: int = 0) -> tuple[list[_Scored], int]:
         prompts = [self.prompt_ids(p) for p in problems]
         out = self.engine.generate(prompts, n, sampling)
-        eos = self.tokenizer.eos_token_id
+        stop_ids = set(sampling.stop_token_ids)
         rows: list[_Scored] = []
         to_verify: list[int] = []
         engine_logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         behaviour = None if out.behaviour is None else torch.stack(
             [out.behaviour.logprobs, out.behaviour.entropy, out.behaviour.sbar], dim=-1).cpu()
-        for i, tokens in enumerate(out.completion_ids.tolist()):
+        for i, (tokens, length, stopped) in enumerate(zip(out.completion_ids.tolist(), out.lengths.tolist(),
+                                                          out.stopped.tolist())):
             problem_index = i // n
-            try:
-                length = tokens.index(eos) + 1
-                truncated = False
-            except ValueError:
-                length, truncated = len(tokens), True
-            answer_tokens = tokens[: length - 1] if not truncated else tokens
-            invalid = any(t in self._special_ids for t in answer_tokens)
+            if stopped and tokens[length - 1] not in stop_ids:
+                raise RuntimeError(f"{type(self.engine).__name__} ended completion {i} on token {tokens[length - 1]}, "
+                                   f"which is not a stop id {sorted(stop_ids)}")
+            truncated = not stopped
+            answer_tokens = tokens[: length - 1] if stopped else tokens[:length]
+            invalid = any(t in self._special_ids or t >= self._vocabulary_size for t in answer_tokens)
             text = self.tokenizer.decode(answer_tokens, skip_special_tokens=False)
             rows.append(_Scored(first_group + problem_index, prompts[problem_index], tokens[:length], text,
                                 problems[problem_index].answer, 0.0, truncated, invalid,
@@ -512,7 +534,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return rewards
 
     def _to_batch(self, rows: list[_Scored], version: int) -> RolloutBatch:
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_token_ids[0]
         prompt_ids, prompt_mask = RolloutEngine.left_pad([r.prompt_ids for r in rows], pad)
         width = max(len(r.completion_ids) for r in rows)
         # Right-padded nested lists, one tensor each (a copy per row would dominate on small batches).
@@ -583,7 +605,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule.evaluate called before setup()/connect(tokenizer)")
         self._sync_policy()
-        greedy = SamplingConfig(self.sampling.max_new_tokens, greedy=True)
+        greedy = replace(self.sampling, greedy=True)
         rows, _ = self._generate_and_score(problems, 1, greedy)
         result = {"greedy_correct": torch.tensor([r.score > 0.5 for r in rows], dtype=torch.float32)}
         if self.val_samples > 0:

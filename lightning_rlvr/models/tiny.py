@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["SPECIAL_TOKENS", "TinyModelConfig", "build_tiny_model", "build_tiny_tokenizer"]
+__all__ = ["SPECIAL_TOKENS", "TinyModelConfig", "build_tiny_model", "build_tiny_tokenizer", "seeded_init"]
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 # Characters of the built-in tasks (arithmetic, digit manipulation) plus letters for user tasks.
@@ -85,6 +85,13 @@ def build_tiny_tokenizer(characters: str = DEFAULT_CHARACTERS):
     )
 
 
+def seeded_init(model_class, model_config, seed: int):
+    """``model_class(model_config)`` with weights drawn from ``seed``, leaving the global RNG as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return model_class(model_config)
+
+
 def build_tiny_model(directory: str | Path, config: TinyModelConfig | None = None,
                      characters: str = DEFAULT_CHARACTERS) -> str:
     """Build the tiny tokenizer + random-init Llama and ``save_pretrained`` both into ``directory``.
@@ -115,12 +122,7 @@ def build_tiny_model(directory: str | Path, config: TinyModelConfig | None = Non
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(config.seed)
-    try:
-        model = LlamaForCausalLM(model_config)
-    finally:
-        torch.random.set_rng_state(generator_state)
+    model = seeded_init(LlamaForCausalLM, model_config, config.seed)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id

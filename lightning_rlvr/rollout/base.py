@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_rlvr.ops.logprobs import TokenStats
+from lightning_rlvr.rollout.stops import end_of_completion, resolve_stop_token_ids
 
 __all__ = ["GenerationOutput", "RolloutEngine", "SamplingConfig"]
 
@@ -31,6 +32,8 @@ class SamplingConfig:
         greedy: argmax decoding (validation accuracy); ignores the sampling knobs.
         behaviour_stats: ask for :attr:`GenerationOutput.behaviour` (the trainer will use them); an engine that
             cannot compute them exactly returns ``None``.
+        stop_token_ids: the ids that end a completion (:func:`~lightning_rlvr.rollout.stops.resolve_stop_token_ids`;
+            the DataModule fills them in). Empty: the policy's ``generation_config.eos_token_id``.
     """
 
     max_new_tokens: int = 8
@@ -39,6 +42,7 @@ class SamplingConfig:
     top_k: int = 0
     greedy: bool = False
     behaviour_stats: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -58,7 +62,10 @@ class GenerationOutput:
     Attributes:
         prompt_ids: ``(N, P_len)`` left-padded prompt tokens.
         prompt_mask: ``(N, P_len)`` 1 on real prompt tokens.
-        completion_ids: ``(N, T)`` generated tokens, right-padded (anything after EOS is padding).
+        completion_ids: ``(N, T)`` generated tokens, right-padded (anything past a row's length is padding, whatever
+            its id: a checkpoint's pad id may itself be a stop id).
+        lengths: ``(N,)`` each row's real length in tokens, its stop id included.
+        stopped: ``(N,)`` bool: the row ended on a stop id (``False``: it reached the generation limit, truncated).
         logprobs: ``(N, T)`` the engine's own log-probs of the sampled tokens, if it provides them.
         behaviour: ``(N, T)`` log-probs, entropy and ``S̄`` of the sampled tokens under the *training module's own*
             forward at the sampling temperature (what the trainer's no-grad pass would compute, up to float
@@ -68,8 +75,19 @@ class GenerationOutput:
     prompt_ids: Tensor
     prompt_mask: Tensor
     completion_ids: Tensor
+    lengths: Tensor
+    stopped: Tensor
     logprobs: Tensor | None = None
     behaviour: TokenStats | None = None
+
+    def __post_init__(self) -> None:
+        rows, width = self.completion_ids.shape
+        if self.lengths.shape != (rows,) or self.stopped.shape != (rows,):
+            raise ValueError(f"GenerationOutput: lengths {tuple(self.lengths.shape)} and stopped "
+                             f"{tuple(self.stopped.shape)} must have one entry per completion row ({rows})")
+        if rows and (int(self.lengths.min()) < 0 or int(self.lengths.max()) > width):
+            raise ValueError(f"GenerationOutput: lengths must lie in [0, {width}] (the completion width), "
+                             f"got {self.lengths.tolist()}")
 
 
 class RolloutEngine(ABC):
@@ -82,6 +100,21 @@ class RolloutEngine(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> GenerationOutput:
         """``n`` completions for each prompt (token ids, BOS included), rows grouped by prompt."""
+
+    @staticmethod
+    def stop_ids(policy: nn.Module, sampling: SamplingConfig) -> tuple[int, ...]:
+        """The call's stop ids (``sampling.stop_token_ids``), or without them the policy's generation config's EOS ids."""
+        return sampling.stop_token_ids or resolve_stop_token_ids(generation_config=policy.generation_config)
+
+    @staticmethod
+    def right_pad(rows: list[list[int]], pad_id: int, stop_ids) -> tuple[Tensor, Tensor, Tensor]:
+        """Completion ids (right-padded), lengths and stopped flags of generated rows, each cut after its first stop id
+        (:func:`~lightning_rlvr.rollout.stops.end_of_completion`), for engines that get whole sequences back."""
+        ends = [end_of_completion(row, stop_ids) for row in rows]
+        width = max([1] + [length for length, _ in ends])
+        ids = torch.tensor([row[:length] + [pad_id] * (width - length) for row, (length, _) in zip(rows, ends)],
+                           dtype=torch.long)
+        return ids, torch.tensor([length for length, _ in ends]), torch.tensor([stopped for _, stopped in ends])
 
     @staticmethod
     def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:

@@ -70,7 +70,9 @@ class HFEngine(RolloutEngine):
     prefill over the left-padded prompts (each prompt once; its KV cache is then repeated for its ``n`` samples),
     then one cached forward per token, each sampled from
     ``softmax(logits / temperature)`` after top-k and top-p exactly as transformers' ``generate`` does (the same
-    seed gives the same tokens), rows that emitted EOS padded, and the loop stopped once every row has. It skips
+    seed gives the same tokens), rows that emitted a stop id (``SamplingConfig.stop_token_ids``, else the generation
+    config's EOS ids) padded, and the loop stopped once every row has; each row's length and whether it stopped are
+    returned with it. It skips
     ``generate``'s per-token bookkeeping (a few ms per step on small models) and, under SDPA, hands each step its
     padding mask ready-made (:func:`takes_prepared_mask`). When the policy is sharded across
     ranks (FSDP2, DeepSpeed ZeRO-3) every forward gathers parameters from all ranks, so generation goes through
@@ -107,7 +109,7 @@ class HFEngine(RolloutEngine):
             raise RuntimeError("HFEngine.generate called before sync(policy)")
         policy = self.policy
         config = policy.generation_config
-        pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        pad_id = config.pad_token_id if config.pad_token_id is not None else self.stop_ids(policy, sampling)[0]
         device = next(policy.parameters()).device
         distinct_ids, distinct_mask = self.left_pad(prompts, pad_id, device)
         prompt_ids, prompt_mask = distinct_ids.repeat_interleave(n, dim=0), distinct_mask.repeat_interleave(n, dim=0)
@@ -121,30 +123,30 @@ class HFEngine(RolloutEngine):
         behaviour = None
         try:
             if synced or not self.use_cache:
-                completion_ids = self._hf_generate(policy, prompt_ids, prompt_mask, sampling, pad_id, synced)
+                completion_ids, lengths, stopped = self._hf_generate(policy, prompt_ids, prompt_mask, sampling, pad_id,
+                                                                     synced)
             else:
                 with decoding_mode:  # unsharded: inference mode, no autograd bookkeeping (~5% of a small model's step)
-                    completion_ids, behaviour = self._decode(policy, distinct_ids, distinct_mask, n, sampling, pad_id)
+                    completion_ids, lengths, stopped, behaviour = self._decode(policy, distinct_ids, distinct_mask, n,
+                                                                               sampling, pad_id)
                 # Inference tensors may not be saved for backward or changed in place later: hand out plain copies.
-                completion_ids = completion_ids.clone()
+                completion_ids, lengths, stopped = completion_ids.clone(), lengths.clone(), stopped.clone()
                 if behaviour is not None:
                     behaviour = TokenStats(*(t.clone() for t in (behaviour.logprobs, behaviour.entropy, behaviour.sbar)))
         finally:
             _set_mode(policy, was_training)
         return GenerationOutput(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                                behaviour=behaviour)
-
-    @staticmethod
-    def _eos_ids(policy: nn.Module, device: torch.device) -> Tensor:
-        eos = policy.generation_config.eos_token_id
-        return torch.tensor(eos if isinstance(eos, list) else [eos], device=device)
+                                lengths=lengths, stopped=stopped, behaviour=behaviour)
 
     def _decode(self, policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, n: int, sampling: SamplingConfig,
-                pad_id: int) -> tuple[Tensor, TokenStats | None]:
-        """Samples ``n`` completions of each distinct prompt in ``prompt_ids``; rows come back grouped by prompt."""
+                pad_id: int) -> tuple[Tensor, Tensor, Tensor, TokenStats | None]:
+        """Samples ``n`` completions of each distinct prompt in ``prompt_ids``; rows come back grouped by prompt.
+
+        Returns the completion ids, each row's length and stopped flag, and the behaviour stats (or ``None``).
+        """
         from transformers import DynamicCache
 
-        eos_ids = self._eos_ids(policy, prompt_ids.device)
+        stop_ids = torch.tensor(self.stop_ids(policy, sampling), device=prompt_ids.device)
         positions = (prompt_mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=policy.config)
         cache_argument = {cache_keyword(policy): cache}
@@ -188,7 +190,7 @@ class HFEngine(RolloutEngine):
                 held.append((scores, chosen))
                 if len(held) == steps_per_call:
                     flush()
-            finished |= (chosen == eos_ids[0]) if len(eos_ids) == 1 else torch.isin(chosen, eos_ids)
+            finished |= (chosen == stop_ids[0]) if len(stop_ids) == 1 else torch.isin(chosen, stop_ids)
             if step == sampling.max_new_tokens - 1 or bool(finished.all()):
                 break
             attention = torch.cat([attention, attention.new_ones(attention.shape[0], 1)], dim=1)
@@ -200,14 +202,21 @@ class HFEngine(RolloutEngine):
             flush()
         behaviour = None if stats is None else TokenStats(*(torch.cat([getattr(s, name) for s in stats], dim=1)
                                                             for name in ("logprobs", "entropy", "sbar")))
-        return torch.stack(tokens, dim=1), behaviour
+        completion_ids = torch.stack(tokens, dim=1)
+        # A row ends at its first stop id (its padding may use a stop id too, but only after it); a row that never
+        # stopped ran all steps: the loop ends early only once every row has stopped.
+        is_stop = torch.isin(completion_ids, stop_ids)
+        stopped = finished
+        lengths = torch.where(stopped, is_stop.int().argmax(dim=1) + 1, completion_ids.shape[1])
+        return completion_ids, lengths, stopped, behaviour
 
     def _hf_generate(self, policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingConfig,
-                     pad_id: int, synced: bool) -> Tensor:
+                     pad_id: int, synced: bool) -> tuple[Tensor, Tensor, Tensor]:
         from transformers import GenerationConfig
 
-        settings = dict(max_new_tokens=sampling.max_new_tokens, pad_token_id=pad_id,
-                        eos_token_id=policy.generation_config.eos_token_id, use_cache=self.use_cache)
+        stop_ids = self.stop_ids(policy, sampling)
+        settings = dict(max_new_tokens=sampling.max_new_tokens, pad_token_id=pad_id, eos_token_id=list(stop_ids),
+                        use_cache=self.use_cache)
         if sampling.greedy:
             settings.update(do_sample=False)
         else:
@@ -221,4 +230,5 @@ class HFEngine(RolloutEngine):
             sequences = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced)
         finally:
             policy.generation_config = own_config
-        return sequences[:, prompt_ids.shape[1]:]
+        completion_ids, lengths, stopped = self.right_pad(sequences[:, prompt_ids.shape[1]:].tolist(), pad_id, stop_ids)
+        return completion_ids.to(prompt_ids.device), lengths.to(prompt_ids.device), stopped.to(prompt_ids.device)

@@ -115,6 +115,7 @@ class VLLMEngine(RolloutEngine):
         self.llm_factory = llm_factory or _vllm_llm
         self.sampling_params_factory = sampling_params_factory or _vllm_sampling_params
         self.llm: Any = None
+        self.llm_kwargs: dict[str, Any] = {}
         self.policy: nn.Module | None = None
         self.version: int | None = None  # the policy version whose weights vLLM holds
         self._asleep: set[str] = set()  # "weights" / "kv_cache" while sleeping
@@ -135,6 +136,7 @@ class VLLMEngine(RolloutEngine):
             kwargs["logprobs_mode"] = self.logprobs_mode
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per trainer rank
+        self.llm_kwargs = kwargs
         self.llm = self.llm_factory(**kwargs)
 
     def _model(self) -> Any:
@@ -185,8 +187,12 @@ class VLLMEngine(RolloutEngine):
             if self.sleep_level == 2:  # level 2 dropped the weights: they must be pushed again
                 self._push_weights()
         self._wake(["kv_cache"])
+        stop_ids = self.stop_ids(self.policy, sampling)
+        # vLLM stops on its tokenizer's EOS and its generation config's EOS ids by itself; the stop ids are given
+        # explicitly so that it stops on exactly the set the DataModule cuts at (user-added ids included).
         params = self.sampling_params_factory(
             n=n, max_tokens=sampling.max_new_tokens, logprobs=0,  # 0: the sampled token's log-prob only
+            stop_token_ids=list(stop_ids),
             **(dict(temperature=0.0) if sampling.greedy else
                dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1)),
         )
@@ -194,19 +200,28 @@ class VLLMEngine(RolloutEngine):
         if self.enable_sleep_mode:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = {"weights", "kv_cache"}
-        return self._to_output(prompts, outputs, n)
+        return self._to_output(prompts, outputs, n, stop_ids)
 
-    def _to_output(self, prompts: list[list[int]], outputs: list, n: int) -> GenerationOutput:
+    def _to_output(self, prompts: list[list[int]], outputs: list, n: int, stop_ids: tuple[int, ...]) -> GenerationOutput:
         config = self.policy.generation_config
-        pad_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        pad_id = config.pad_token_id if config.pad_token_id is not None else stop_ids[0]
         if len(outputs) != len(prompts) or any(len(out.outputs) != n for out in outputs):
             raise RuntimeError(f"vLLM returned {[len(out.outputs) for out in outputs]} completions for "
                                f"{len(prompts)} prompts × n={n}")
-        rows, logprobs = [], []
+        rows, logprobs, stopped = [], [], []
         for out in outputs:
             for completion in out.outputs:
-                tokens = list(completion.token_ids)
+                tokens = list(completion.token_ids)  # the stop id, if any, is the last token
+                if completion.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a completion with reason {completion.finish_reason!r}")
+                ended = completion.finish_reason == "stop"
+                if ended and (not tokens or tokens[-1] not in stop_ids):
+                    raise RuntimeError(
+                        f"vLLM stopped a completion on token {tokens[-1:] or 'none'}, not one of the stop ids "
+                        f"{list(stop_ids)}: the checkpoint vLLM runs ({self.llm_kwargs.get('model')!r}) stops on ids "
+                        f"the policy's does not; add them to RolloutDataModule(stop_token_ids=...)")
                 rows.append(tokens)
+                stopped.append(ended)
                 if completion.logprobs is None:
                     raise RuntimeError("vLLM returned no log-probs (SamplingParams.logprobs=0 asks for them)")
                 logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
@@ -218,4 +233,5 @@ class VLLMEngine(RolloutEngine):
             completion_logprobs[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
         prompt_ids, prompt_mask = self.left_pad(prompts, pad_id)
         return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0),
-                                completion_ids, completion_logprobs)
+                                completion_ids, lengths=torch.tensor([len(r) for r in rows]),
+                                stopped=torch.tensor(stopped), logprobs=completion_logprobs)

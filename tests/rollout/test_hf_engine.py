@@ -26,7 +26,7 @@ def reference_generate(policy, engine: HFEngine, n: int, sampling: SamplingConfi
     ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
     policy.eval()
     try:
-        return engine._hf_generate(policy, ids, mask, sampling, config.pad_token_id, synced=False)
+        return engine._hf_generate(policy, ids, mask, sampling, config.pad_token_id, synced=False)[0]
     finally:
         policy.train()
 
@@ -42,10 +42,13 @@ def test_decoding_loop_draws_the_same_tokens_as_transformers_generate(policy, sa
     engine = HFEngine()
     engine.sync(policy, 0)
     torch.manual_seed(123)
-    ours = engine.generate(PROMPTS, 4, sampling).completion_ids
+    out = engine.generate(PROMPTS, 4, sampling)
     torch.manual_seed(123)
     theirs = reference_generate(policy, engine, 4, sampling)
-    assert torch.equal(ours, theirs)
+    assert torch.equal(out.completion_ids, theirs)
+    eos = policy.generation_config.eos_token_id
+    for row, length, stopped in zip(theirs.tolist(), out.lengths.tolist(), out.stopped.tolist()):
+        assert (length, stopped) == ((row.index(eos) + 1, True) if eos in row else (sampling.max_new_tokens, False))
 
 
 def test_the_models_own_generation_settings_do_not_change_what_is_drawn(policy):

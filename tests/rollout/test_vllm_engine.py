@@ -1,7 +1,8 @@
-"""VLLMEngine against a fake with vLLM's API surface (vLLM itself needs CUDA; scripts/gpu_smoke_vllm.py runs it).
+"""VLLMEngine against the vLLM stand-in (tests/fake_vllm.py: vLLM's argument checks and stop rules, generating with
+a real copy of the pushed weights; vLLM itself needs CUDA, scripts/gpu_smoke_vllm.py runs it).
 
-The fake records every call in order; completions are a function of (prompt, sample index), each sampled token
-with a known log-prob, so what the engine returns can be checked against what "vLLM" produced.
+The stand-in records every call in order and keeps what it generated last, so what the engine returns can be
+checked against what "vLLM" produced.
 """
 
 from __future__ import annotations
@@ -103,22 +104,23 @@ def test_completions_and_vllm_logprobs_are_passed_through(policy):
     engine = make_engine()
     engine.sync(policy, 0)
     prompts = [[1, 5, 6], [1, 7]]
-    out = engine.generate(prompts, 3, SamplingConfig(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=0))
-    expected = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], engine.llm.params)
+    out = engine.generate(prompts, 3, SamplingConfig(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=0,
+                                                     stop_token_ids=(2,)))
     pad = policy.generation_config.pad_token_id
-    rows = [c for o in expected for c in o.outputs]
+    rows = [c for o in engine.llm.last_outputs for c in o.outputs]
     assert out.completion_ids.shape == (6, max(len(c.token_ids) for c in rows))
     for i, completion in enumerate(rows):
         length = len(completion.token_ids)
         assert out.completion_ids[i, :length].tolist() == completion.token_ids
         assert set(out.completion_ids[i, length:].tolist()) <= {pad}
+        assert (out.lengths[i], out.stopped[i]) == (length, completion.finish_reason == "stop")
         values = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
         torch.testing.assert_close(out.logprobs[i, :length], torch.tensor(values))
         assert out.logprobs[i, length:].abs().sum() == 0
     assert out.prompt_ids[:3].tolist() == [[1, 5, 6]] * 3 and out.prompt_ids[3].tolist() == [pad, 1, 7]
     params = engine.llm.params
-    assert (params.n, params.max_tokens, params.logprobs, params.temperature, params.top_p, params.top_k) == (
-        3, 4, 0, 0.7, 0.9, -1)  # top_k 0 (off) is vLLM's -1
+    assert (params.n, params.max_tokens, params.logprobs, params.temperature, params.top_p, params.top_k,
+            params.stop_token_ids) == (3, 4, 0, 0.7, 0.9, -1, [2])  # top_k 0 (off) is vLLM's -1
     engine.generate(prompts, 1, SamplingConfig(max_new_tokens=4, greedy=True))
     assert engine.llm.params.temperature == 0.0
 
@@ -177,11 +179,10 @@ def test_the_datamodule_carries_the_engines_logprobs_up_to_eos(policy, tiny_mode
     data.connect(AutoTokenizer.from_pretrained(tiny_model_dir))
     data.trainer = types.SimpleNamespace(lightning_module=types.SimpleNamespace(policy=policy, policy_version=0))
     batch = data.rollout(data.source.train_problems())
-    rows = [c for o in engine.llm.generate([{"prompt_token_ids": data.prompt_ids(Problem("5+7=", "12"))}],
-                                           engine.llm.params) for c in o.outputs]
+    rows = [c for o in engine.llm.last_outputs for c in o.outputs]
     for i, completion in enumerate(rows):
         length = int(batch.response_mask[i].sum())
-        assert length == len(completion.token_ids)  # each fake completion ends at its EOS
+        assert length == len(completion.token_ids)  # through the stop id, or all max_new_tokens
         values = [step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)]
         torch.testing.assert_close(batch.engine_logprobs[i, :length], torch.tensor(values))
         assert batch.engine_logprobs[i, length:].abs().sum() == 0
@@ -193,10 +194,12 @@ def test_a_fit_syncs_the_engine_after_each_update_and_logs_the_mismatch(tiny_mod
     from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
     from lightning_rlvr.verifiers import CallableVerifier
 
-    engine = make_engine()  # the fake's completions have 1-3 digits: rewarding odd lengths gives informative groups
+    # The random-init policy stops (samples EOS) within 40 tokens about half the time: rewarding every completion
+    # that stops gives informative groups.
+    engine = make_engine(logprobs_mode="processed_logprobs")
     data = RolloutDataModule(source=BuiltinTask("addition", warm_start_fraction=0.0), engine=engine,
-                             verifier=CallableVerifier(lambda completion, answer: float(len(completion) % 2)),
-                             prompts_per_step=2, group_size=4, max_new_tokens=4, val_samples=0)
+                             verifier=CallableVerifier(lambda completion, answer: 1.0),
+                             prompts_per_step=2, group_size=8, max_new_tokens=40, val_samples=0)
     module = RLVRModule(model=tiny_model_dir, engine_is_cap=2.0)
     trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=memory_logger, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -211,4 +214,29 @@ def test_a_fit_syncs_the_engine_after_each_update_and_logs_the_mismatch(tiny_mod
     assert any(not torch.equal(pushed[k], current[k].detach()) for k in pushed)
     history = memory_logger.history
     assert set(history["rollout/engine_kl"]) == {0, 1, 2}
+    # vLLM sampled with exactly the weights the trainer scored: the mismatch is float rounding only.
+    assert max(history["rollout/engine_kl"].values()) < 1e-5
     assert all(0.0 <= v <= 1.0 for v in history["policy/tis_clipfrac"].values())
+
+
+def test_a_skipped_weight_push_shows_up_as_engine_kl(tiny_model_dir, memory_logger, monkeypatch):
+    """The stand-in samples with the weights it was given: a stale engine is measured, not assumed away."""
+    import lightning.pytorch as pl
+
+    from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+    from lightning_rlvr.verifiers import CallableVerifier
+
+    engine = make_engine(logprobs_mode="processed_logprobs")
+    real_push = engine._push_weights
+    monkeypatch.setattr(engine, "_push_weights", lambda: None if engine.version is not None else real_push())
+    data = RolloutDataModule(source=BuiltinTask("addition", warm_start_fraction=0.0), engine=engine,
+                             verifier=CallableVerifier(lambda completion, answer: 1.0),
+                             prompts_per_step=2, group_size=8, max_new_tokens=40, val_samples=0)
+    module = RLVRModule(model=tiny_model_dir, learning_rate=1e-2)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=memory_logger, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, log_every_n_steps=1)
+    trainer.fit(module, data)
+    kl = memory_logger.history["rollout/engine_kl"]
+    assert kl[0] < 1e-5  # the first rollout: pushed
+    assert min(kl[1], kl[2]) > 1e-3  # later rollouts sampled by the version-0 weights the engine kept
