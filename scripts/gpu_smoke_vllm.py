@@ -1,6 +1,7 @@
 """GPU smoke test of VLLMEngine's weight sync, end to end (one GPU, about a minute; needs ``pip install vllm``).
 
     python scripts/gpu_smoke_vllm.py                       # the built-in tiny model, built offline
+    python scripts/gpu_smoke_vllm.py --chat                # builtin:tiny-chat (byte-level BPE, two stop ids)
     python scripts/gpu_smoke_vllm.py --model /path/to/Qwen2.5-0.5B-Instruct
 
 1. Start a colocated ``VLLMEngine`` from the policy's checkpoint and sync the policy (version 0).
@@ -26,39 +27,42 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_rlvr.models import TinyModelConfig, build_tiny_model  # noqa: E402
+from lightning_rlvr.models import TinyModelConfig, build_tiny_chat_model, build_tiny_model  # noqa: E402
 from lightning_rlvr.ops import token_logprobs_and_entropy  # noqa: E402
 from lightning_rlvr.rollout import HFEngine, SamplingConfig, VLLMEngine  # noqa: E402
+from lightning_rlvr.rollout.stops import resolve_stop_token_ids  # noqa: E402
 
 
-def completions(output, eos: int) -> list[list[int]]:
-    """Each completion up to and including its first EOS."""
-    return [ids[: ids.index(eos) + 1] if eos in ids else ids for ids in output.completion_ids.tolist()]
+def completions(output) -> list[list[int]]:
+    """Each completion as long as the engine says it is (through its stop id, if it stopped)."""
+    return [ids[:length] for ids, length in zip(output.completion_ids.tolist(), output.lengths.tolist())]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a local Hugging Face checkpoint (default: the built-in tiny model)")
+    parser.add_argument("--chat", action="store_true", help="the built-in chat model (two stop ids) instead")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = args.model or build_tiny_model(tempfile.mkdtemp(), TinyModelConfig(hidden_size=256, num_hidden_layers=4,
-                                                                              intermediate_size=512))
+    shape = TinyModelConfig(hidden_size=256, num_hidden_layers=4, intermediate_size=512)
+    build = build_tiny_chat_model if args.chat else build_tiny_model
+    path = args.model or build(tempfile.mkdtemp(), shape if not args.chat else None)
     tokenizer = AutoTokenizer.from_pretrained(path)
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
     if policy.generation_config.pad_token_id is None:
         policy.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
     prompts = [tokenizer(text).input_ids for text in ("12+30=", "7+8=", "40+9=", "3+3=")]
-    greedy = SamplingConfig(max_new_tokens=6, greedy=True)
-    eos = tokenizer.eos_token_id
+    stop_ids = resolve_stop_token_ids(tokenizer, policy.generation_config)
+    greedy = SamplingConfig(max_new_tokens=6, greedy=True, stop_token_ids=stop_ids)
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True, enable_sleep_mode=True)
     reference = HFEngine()
     failures = []
 
     engine.sync(policy, 0)
     reference.sync(policy, 0)
-    before = completions(engine.generate(prompts, 1, greedy), eos)
-    if before != completions(reference.generate(prompts, 1, greedy), eos):
+    before = completions(engine.generate(prompts, 1, greedy))
+    if before != completions(reference.generate(prompts, 1, greedy)):
         failures.append("version 0: vLLM's greedy completions differ from Hugging Face generate's")
 
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
@@ -72,13 +76,13 @@ def main() -> int:
         loss.backward()
         optimizer.step()
     engine.sync(policy, 1)
-    after = completions(engine.generate(prompts, 1, greedy), eos)
+    after = completions(engine.generate(prompts, 1, greedy))
     if after == before:
         failures.append("version 1: vLLM still answers as before the update (weights not synced)")
-    if after != completions(reference.generate(prompts, 1, greedy), eos):
+    if after != completions(reference.generate(prompts, 1, greedy)):
         failures.append("version 1: vLLM's greedy completions differ from Hugging Face generate's")
 
-    sampled = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=6, temperature=1.0))
+    sampled = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=6, temperature=1.0, stop_token_ids=stop_ids))
     ids = torch.cat([sampled.prompt_ids, sampled.completion_ids], 1).cuda()
     mask = torch.cat([sampled.prompt_mask, torch.ones_like(sampled.completion_ids)], 1).cuda()
     with torch.no_grad():
@@ -87,7 +91,7 @@ def main() -> int:
         logits = logits[:, sampled.prompt_ids.shape[1] - 1 : -1]
         trainer = token_logprobs_and_entropy(logits, sampled.completion_ids.cuda(), 1.0, 1024).logprobs.cpu()
     width = sampled.completion_ids.shape[1]
-    valid = torch.tensor([[j < len(c) for j in range(width)] for c in completions(sampled, eos)])
+    valid = torch.arange(width)[None, :] < sampled.lengths[:, None]
     gap = (trainer - sampled.logprobs)[valid].abs().mean().item()
     print(f"before: {before}\nafter:  {after}\nmean |log p_trainer - log p_vllm| on sampled tokens: {gap:.2e}")
     if gap > 1e-2:

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from lightning_rlvr.data.sources import PromptSource
 from lightning_rlvr.loggers import InMemoryLogger
 from lightning_rlvr.models import TinyModelConfig, build_tiny_chat_model, build_tiny_model
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
@@ -61,6 +62,19 @@ class ScriptedEngine(RolloutEngine):
         prompt_ids, prompt_mask = self.left_pad(prompts, self.pad_id)
         return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0), ids,
                                 lengths, stopped)
+
+
+class ListSource(PromptSource):
+    """The same given problems for training and held out."""
+
+    def __init__(self, problems):
+        self.problems = problems
+
+    def train_problems(self):
+        return self.problems
+
+    def held_out_problems(self):
+        return self.problems
 
 
 def fake_trainer(policy_version: int = 0):

@@ -28,11 +28,13 @@ def group_mean_std(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, 
     rewards = rewards.float()
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     n_groups = counts.numel()
-    lowest = torch.full((n_groups,), torch.inf, device=rewards.device).scatter_reduce(0, inverse, rewards, "amin")
-    offsets = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, rewards - lowest[inverse])
-    counts_f = counts.to(rewards.device).float()
+    # Explicit float32 throughout: under Lightning's bf16-true the default dtype is bfloat16 inside training_step.
+    zeros = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
+    lowest = torch.full_like(zeros, torch.inf).scatter_reduce(0, inverse, rewards, "amin")
+    offsets = zeros.index_add(0, inverse, rewards - lowest[inverse])
+    counts_f = counts.to(device=rewards.device, dtype=rewards.dtype)
     means = lowest + offsets / counts_f
-    sq = torch.zeros(n_groups, device=rewards.device).index_add_(0, inverse, (rewards - means[inverse]) ** 2)
+    sq = zeros.index_add(0, inverse, (rewards - means[inverse]) ** 2)
     std = torch.where(counts_f > 1, (sq / (counts_f - 1).clamp_min(1)).sqrt(), torch.ones_like(means))
     return means[inverse], std[inverse], counts_f[inverse]
 

@@ -32,7 +32,7 @@ def group_failure_rates(correct: Tensor, group_ids: Tensor) -> tuple[Tensor, Ten
     """``(1 − acc_q)`` per prompt group ``(G,)`` and each response's group index ``(N,)``."""
     group = torch.unique(group_ids, return_inverse=True)[1]
     n_groups = int(group.max().item()) + 1 if group.numel() else 0
-    successes = torch.zeros(n_groups, device=correct.device).index_add_(0, group, correct.float())
+    successes = torch.zeros(n_groups, dtype=torch.float32, device=correct.device).index_add_(0, group, correct.float())
     sizes = torch.bincount(group, minlength=n_groups).float()
     return 1.0 - successes / sizes.clamp_min(1.0), group
 

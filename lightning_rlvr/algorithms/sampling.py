@@ -28,8 +28,8 @@ def informative_groups(rewards: Tensor, group_ids: Tensor, keep_singletons: bool
     n = counts.numel()
     r = rewards.float()
     big = torch.finfo(torch.float32).max
-    gmax = torch.full((n,), -big, device=r.device).scatter_reduce(0, inverse, r, reduce="amax")
-    gmin = torch.full((n,), big, device=r.device).scatter_reduce(0, inverse, r, reduce="amin")
+    gmax = torch.full((n,), -big, dtype=r.dtype, device=r.device).scatter_reduce(0, inverse, r, reduce="amax")
+    gmin = torch.full((n,), big, dtype=r.dtype, device=r.device).scatter_reduce(0, inverse, r, reduce="amin")
     keep = gmax > gmin
     if keep_singletons:
         keep = keep | (counts.to(r.device) == 1)

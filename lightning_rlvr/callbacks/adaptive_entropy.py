@@ -143,7 +143,7 @@ class AdaptiveEntropy(Intervention):
             batch = step.batch
             failure, _ = group_failure_rates(batch.correct, batch.group_ids)
             # The mean over prompts runs over every rank's prompts, so all ranks weight alike.
-            totals = all_sum(torch.stack([failure.sum(), torch.tensor(float(failure.numel()), device=failure.device)]))
+            totals = all_sum(torch.stack([failure.sum(), failure.new_tensor(float(failure.numel()))]))
             mean_failure = totals[0].item() / max(totals[1].item(), 1.0)
             self._weights = (id(step), difficulty_weights(batch.correct, batch.group_ids, mean_failure))
         return self._weights[1]

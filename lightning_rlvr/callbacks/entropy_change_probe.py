@@ -109,7 +109,7 @@ class EntropyChangeProbe(Intervention):
 
     def _rows(self, n: int, device: torch.device) -> Tensor:
         k = min(self.sample_rows or n, n)
-        return torch.linspace(0, n - 1, k, device=device).round().long().unique()
+        return torch.linspace(0, n - 1, k, dtype=torch.float64, device=device).round().long().unique()
 
     @override
     def shape_advantages(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> Tensor | None:

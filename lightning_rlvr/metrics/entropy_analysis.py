@@ -37,8 +37,8 @@ def _bucket_sums(values: Tensor, buckets: Tensor, num_buckets: int, weights: Ten
     if ((buckets[keep] < 0) | (buckets[keep] >= num_buckets)).any():
         raise ValueError(f"bucket index outside [0, {num_buckets})")
     buckets = buckets.clamp(0, num_buckets - 1)
-    sums = torch.zeros(num_buckets, device=values.device).index_add_(0, buckets, values * weights)
-    counts = torch.zeros(num_buckets, device=values.device).index_add_(0, buckets, weights)
+    sums = torch.zeros(num_buckets, dtype=values.dtype, device=values.device).index_add_(0, buckets, values * weights)
+    counts = torch.zeros(num_buckets, dtype=weights.dtype, device=values.device).index_add_(0, buckets, weights)
     return sums, counts
 
 
@@ -63,8 +63,8 @@ class BucketedMean(Metric):
         if num_buckets < 1:
             raise ValueError(f"BucketedMean: num_buckets must be >= 1, got {num_buckets}")
         self.num_buckets = num_buckets
-        self.add_state("sums", torch.zeros(num_buckets), dist_reduce_fx="sum")
-        self.add_state("counts", torch.zeros(num_buckets), dist_reduce_fx="sum")
+        self.add_state("sums", torch.zeros(num_buckets, dtype=torch.float32), dist_reduce_fx="sum")
+        self.add_state("counts", torch.zeros(num_buckets, dtype=torch.float32), dist_reduce_fx="sum")
 
     def update(self, values: Tensor, buckets: Tensor, weights: Tensor | None = None) -> None:
         sums, counts = _bucket_sums(values, buckets, self.num_buckets, weights)

@@ -11,7 +11,11 @@ The production path on GPUs (``pip install 'lightning_rlvr[vllm]'``). Each rank 
   runs the sync. Then the prefix cache is reset, since cached KV blocks were computed by the old weights.
 - ``generate`` wakes the KV cache, samples ``n`` completions per prompt with vLLM's ``SamplingParams`` built from
   the DataModule's sampling settings, returns vLLM's own log-probs of the sampled tokens, and (with
-  ``enable_sleep_mode``) puts the engine to sleep, freeing its GPU memory for the update.
+  ``enable_sleep_mode``) puts the engine to sleep, freeing its GPU memory for the update. vLLM stops on its
+  tokenizer's EOS and its generation config's EOS ids by itself; the DataModule's stop ids are passed as
+  ``stop_token_ids`` so that it stops on exactly the set the batch is cut at. Each row's length and whether it
+  stopped come from vLLM's ``finish_reason`` (its ``token_ids`` include the stop id); a row vLLM stopped on an id
+  outside that set is an error naming it.
 
 vLLM's log-probs let the trainer measure the sampler/trainer mismatch (vLLM's kernels and precision are not the
 trainer's); ``logprobs_mode="processed_logprobs"`` makes them the log-probs of the distribution actually sampled

@@ -7,27 +7,15 @@ import torch
 from transformers import AutoTokenizer
 
 from lightning_rlvr.data import RolloutDataModule
-from lightning_rlvr.data.sources import PromptSource
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers import CallableVerifier
-from tests.conftest import ScriptedEngine, fake_trainer
+from tests.conftest import ListSource, ScriptedEngine, fake_trainer
 
 EOS, PAD, UNK, BOS = 2, 0, 3, 1
 
 
 def digits(text: str) -> list[int]:
     return [4 + int(c) for c in text]  # '0' is token 4 in the tiny char tokenizer
-
-
-class ListSource(PromptSource):
-    def __init__(self, problems):
-        self.problems = problems
-
-    def train_problems(self):
-        return self.problems
-
-    def held_out_problems(self):
-        return self.problems
 
 
 @pytest.fixture
@@ -175,6 +163,8 @@ def test_majority_vote_over_the_first_k_samples(tokenizer, samples, k, majority)
         ({"prompt_template": "no placeholder"}, "prompt_template"),
         ({"prompt_template": "{prompt} within \\boxed{}"}, "literal braces twice"),
         ({"temperature": 0.0}, "temperature"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+        ({"stop_token_ids": ["<|im_end|>"]}, "stop_token_ids"),
     ],
 )
 def test_invalid_arguments_are_rejected_at_construction(kwargs, message):

@@ -15,24 +15,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from lightning_rlvr.data import RolloutDataModule
-from lightning_rlvr.data.sources import PromptSource
 from lightning_rlvr.rollout import HFEngine, VLLMEngine
 from lightning_rlvr.rollout.stops import end_of_completion, resolve_stop_token_ids
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers import CallableVerifier, ExactMatchVerifier
-from tests.conftest import ScriptedEngine
+from tests.conftest import ListSource, ScriptedEngine, fake_trainer
 from tests.fake_vllm import FakeLLM, fake_sampling_params
-
-
-class ListSource(PromptSource):
-    def __init__(self, problems):
-        self.problems = problems
-
-    def train_problems(self):
-        return self.problems
-
-    def held_out_problems(self):
-        return self.problems
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +41,7 @@ def make_dm(chat, completions, problems, tokenizer=None, **kwargs) -> RolloutDat
     dm = RolloutDataModule(source=ListSource(problems), engine=ScriptedEngine(completions, pad_id=tokenizer.pad_token_id),
                            chat_template=True, **kwargs)
     dm.connect(tokenizer, chat.generation)
-    dm.trainer = types.SimpleNamespace(lightning_module=types.SimpleNamespace(policy=None, policy_version=0))
+    dm.trainer = fake_trainer()
     return dm
 
 
@@ -250,3 +238,22 @@ def test_math_verifier_scores_real_boxed_answers_through_the_chat_path(chat):
     prompt = chat.tokenizer.decode(dm.prompt_ids(problems[0]))
     assert prompt == ("<|im_start|>user\nSimplify \\frac{34}{68}.\nPlease reason step by step, and put your final "
                       "answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_warm_start_teaches_answers_that_end_on_the_datamodules_end_token(chat):
+    from lightning_rlvr.callbacks import SupervisedWarmStart
+
+    problems = [Problem("5+7=", "12"), Problem("1+1=", "2")]
+    dm = make_dm(chat, [text(chat, "1")], problems)
+    assert dm.end_token_id == chat.im_end and dm.end_token_id in dm.stop_token_ids
+    policy = AutoModelForCausalLM.from_pretrained(chat.dir)
+    seen = []
+    policy.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"]), with_kwargs=True)
+    SupervisedWarmStart(steps=2, batch_size=4).fit(policy, chat.tokenizer, problems, dm.prompt_ids, dm.end_token_id)
+    def unpadded(row: list[int]) -> tuple[int, ...]:
+        start = next(i for i, t in enumerate(row) if t != chat.pad)
+        return tuple(row[start:])
+
+    rows = {unpadded(row.tolist()) for ids in seen for row in ids}
+    expected = {tuple(dm.prompt_ids(p) + text(chat, p.answer) + [chat.im_end]) for p in problems}
+    assert rows == expected  # each row: the chat prompt, the answer, <|im_end|>
