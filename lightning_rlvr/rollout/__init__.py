@@ -2,6 +2,8 @@
 
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
 from lightning_rlvr.rollout.hf import HFEngine
+from lightning_rlvr.rollout.stops import end_of_completion, resolve_stop_token_ids
 from lightning_rlvr.rollout.vllm import VLLMEngine
 
-__all__ = ["GenerationOutput", "HFEngine", "RolloutEngine", "SamplingConfig", "VLLMEngine"]
+__all__ = ["GenerationOutput", "HFEngine", "RolloutEngine", "SamplingConfig", "VLLMEngine", "end_of_completion",
+           "resolve_stop_token_ids"]

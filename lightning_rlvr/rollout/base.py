@@ -103,7 +103,7 @@ class RolloutEngine(ABC):
 
     @staticmethod
     def stop_ids(policy: nn.Module, sampling: SamplingConfig) -> tuple[int, ...]:
-        """The call's stop ids (``sampling.stop_token_ids``), or without them the policy's generation config's EOS ids."""
+        """The call's stop ids (``sampling.stop_token_ids``); without them, the policy's generation config's EOS ids."""
         return sampling.stop_token_ids or resolve_stop_token_ids(generation_config=policy.generation_config)
 
     @staticmethod

@@ -206,7 +206,8 @@ class VLLMEngine(RolloutEngine):
             self._asleep = {"weights", "kv_cache"}
         return self._to_output(prompts, outputs, n, stop_ids)
 
-    def _to_output(self, prompts: list[list[int]], outputs: list, n: int, stop_ids: tuple[int, ...]) -> GenerationOutput:
+    def _to_output(self, prompts: list[list[int]], outputs: list, n: int,
+                   stop_ids: tuple[int, ...]) -> GenerationOutput:
         config = self.policy.generation_config
         pad_id = config.pad_token_id if config.pad_token_id is not None else stop_ids[0]
         if len(outputs) != len(prompts) or any(len(out.outputs) != n for out in outputs):

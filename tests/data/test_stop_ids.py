@@ -38,8 +38,8 @@ def text(chat, string: str) -> list[int]:
 
 def make_dm(chat, completions, problems, tokenizer=None, **kwargs) -> RolloutDataModule:
     tokenizer = tokenizer or chat.tokenizer
-    dm = RolloutDataModule(source=ListSource(problems), engine=ScriptedEngine(completions, pad_id=tokenizer.pad_token_id),
-                           chat_template=True, **kwargs)
+    engine = ScriptedEngine(completions, pad_id=tokenizer.pad_token_id)
+    dm = RolloutDataModule(source=ListSource(problems), engine=engine, chat_template=True, **kwargs)
     dm.connect(tokenizer, chat.generation)
     dm.trainer = fake_trainer()
     return dm
