@@ -52,6 +52,7 @@ from lightning_rlvr.algorithms import (
     rloo_advantages,
 )
 from lightning_rlvr.algorithms.aggregation import AGGREGATION_MODES
+from lightning_rlvr.algorithms.engine_correction import ENGINE_IS_MODES, EngineISMode, engine_importance_weights
 from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, Needs, StepContext
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
@@ -180,9 +181,14 @@ class RLVRModule(pl.LightningModule):
             Off automatically under FSDP2 / ZeRO-3 sharding; turn it off for gradient checkpointing, which
             disables the cache.
         trust_remote_code: passed to ``from_pretrained``.
-        engine_is_cap: truncated importance sampling against a rollout engine's own log-probs (vLLM): weight each
-            token's policy loss by ``min(π_old / π_engine, engine_is_cap)`` (``None`` = off; 2–3 as in verl/TRL).
-            The mismatch is logged as ``rollout/engine_kl`` whenever the engine returns log-probs.
+        engine_is_cap: importance sampling against a rollout engine's own log-probs (vLLM), with ``C`` =
+            ``engine_is_cap`` (``None`` = off; 2–3 as in verl/TRL): by default each token's policy loss is weighted by
+            ``min(π_old / π_engine, C)`` (:mod:`lightning_rlvr.algorithms.engine_correction`). The mismatch is logged
+            as ``rollout/engine_kl`` whenever the engine returns log-probs. Needs ``top_p=1`` and ``top_k=0``.
+        engine_is_mode: ``"token_truncate"`` (TIS, above), ``"token_mask"`` (drop tokens whose ratio leaves
+            ``[1/C, C]``), ``"sequence_truncate"`` or ``"sequence_mask"`` (the same with each response's ratio, the
+            product of its tokens'); logged as ``policy/tis_clipfrac`` (truncate) or ``policy/mis_maskfrac`` (mask),
+            the share of tokens capped or dropped.
     """
 
     def __init__(
@@ -212,6 +218,7 @@ class RLVRModule(pl.LightningModule):
         share_prompt_forward: bool | Literal["auto"] = "auto",
         trust_remote_code: bool = False,
         engine_is_cap: float | None = None,
+        engine_is_mode: EngineISMode = "token_truncate",
     ) -> None:
         super().__init__()
         self._validate(locals())
@@ -255,6 +262,12 @@ class RLVRModule(pl.LightningModule):
 
         positive("learning_rate")
         positive("engine_is_cap", allow_none=True)
+        if args["engine_is_cap"] is not None and args["engine_is_cap"] <= 1:
+            raise ValueError(f"RLVRModule: engine_is_cap must be > 1 (the ratio's cap C, and [1/C, C] the range masks "
+                             f"keep), got {args['engine_is_cap']}")
+        if args["engine_is_mode"] not in ENGINE_IS_MODES:
+            raise ValueError(f"RLVRModule: engine_is_mode must be one of {ENGINE_IS_MODES}, "
+                             f"got {args['engine_is_mode']!r}")
         for name in ("minibatch_size", "micro_batch_size", "max_grad_norm", "loss_scale_factor"):
             positive(name, allow_none=True)
         if args["logprob_chunk_size"] is not None and args["logprob_chunk_size"] < 1:
@@ -656,14 +669,13 @@ class RLVRModule(pl.LightningModule):
 
     def _engine_mismatch(self, pl_out: PolicyLossOutput, old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor,
                          n_tokens: Tensor, sums: dict[str, float]) -> PolicyLossOutput:
-        """Measure the sampler/trainer mismatch and, with ``engine_is_cap``, correct it (truncated IS).
+        """Measure the sampler/trainer mismatch and, with ``engine_is_cap``, correct it (importance sampling).
 
         ``rollout/engine_kl`` is the k1 estimate of KL(π_engine ‖ π_old) on the sampled tokens,
-        mean(log π_engine − log π_old). With a cap ``C`` each token's policy loss is weighted by
-        ``min(π_old / π_engine, C)`` (detached): the rollout was sampled by the engine, not by the policy the PPO
-        ratio is taken against (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-        training"; verl's and TRL's ``vllm_importance_sampling_cap``); ``policy/tis_clipfrac`` is the share of
-        tokens at the cap.
+        mean(log π_engine − log π_old). With a cap ``C`` each token's policy loss is weighted (detached) as
+        ``engine_is_mode`` says (:func:`~lightning_rlvr.algorithms.engine_correction.engine_importance_weights`):
+        the rollout was sampled by the engine, not by the policy the PPO ratio is taken against.
+        ``policy/tis_clipfrac`` / ``policy/mis_maskfrac`` is the share of tokens capped / dropped.
         """
         with torch.no_grad():
             log_ratio = old_logprobs.detach() - engine_logprobs
@@ -671,10 +683,11 @@ class RLVRModule(pl.LightningModule):
             sums["engine_kl"] = sums.get("engine_kl", 0.0) + ((-log_ratio * mask).sum() / denom).item()
             if self.hparams.engine_is_cap is None:
                 return pl_out
-            ratio = log_ratio.exp()
-            sums["tis_clip"] = sums.get("tis_clip", 0.0) + (((ratio > self.hparams.engine_is_cap) * mask).sum()
-                                                            / denom).item()
-            weight = ratio.clamp(max=self.hparams.engine_is_cap)
+            mode = self.hparams.engine_is_mode
+            weight, affected = engine_importance_weights(old_logprobs.detach(), engine_logprobs, mask,
+                                                         self.hparams.engine_is_cap, mode)
+            key = "tis_clip" if mode.endswith("truncate") else "mis_mask"
+            sums[key] = sums.get(key, 0.0) + (affected.float().sum() / denom).item()
         return dataclasses.replace(pl_out, loss=pl_out.loss * weight)
 
     def _apply_interventions(self, interventions: list[Intervention], mctx: MicroBatchContext) -> tuple[Tensor, Tensor]:
@@ -744,11 +757,23 @@ class RLVRModule(pl.LightningModule):
             metrics["loss/kl"] = sums["kl"] * shares
         if "engine_kl" in sums:
             metrics["rollout/engine_kl"] = sums["engine_kl"] * shares
+        if "mis_mask" in sums:
+            metrics["policy/mis_maskfrac"] = sums["mis_mask"] * shares
         if "tis_clip" in sums:
             metrics["policy/tis_clipfrac"] = sums["tis_clip"] * shares
         if "extra" in sums:
             metrics["loss/interventions"] = sums["extra"] * shares
         return metrics
+
+    def on_fit_start(self) -> None:
+        sampling = getattr(self.trainer.datamodule, "sampling", None)
+        truncated = sampling is not None and (sampling.top_p < 1 or sampling.top_k > 0)
+        if self.hparams.engine_is_cap is not None and truncated:
+            # The engine's processed log-probs are renormalised over the top-k / top-p set; the trainer's are of the
+            # full softmax at the temperature: their ratio would not be an importance weight.
+            raise ValueError(f"RLVRModule: engine_is_cap needs top_p=1 and top_k=0 (got top_p={sampling.top_p}, "
+                             f"top_k={sampling.top_k}): the engine's log-probs are of the truncated distribution, the "
+                             f"trainer's of the full one")
 
     # -- validation ----------------------------------------------------------------------------------------
     def on_validation_start(self) -> None:
@@ -764,6 +789,9 @@ class RLVRModule(pl.LightningModule):
             self.val_maj_at_k.update(result["maj_at_k"].to(self.device))
 
     def on_validation_epoch_end(self) -> None:
+        engine = getattr(self.trainer.datamodule, "engine", None)
+        if engine is not None:
+            engine.release()  # once per validation epoch, not per batch
         values = {"val/accuracy": self.val_accuracy.compute()}
         if self.val_pass_at_k.update_called:
             values["val/pass_at_k"] = self.val_pass_at_k.compute()

@@ -19,7 +19,13 @@ What it enforces, as vLLM does (read from vLLM's source: ``engine/arg_utils.py``
   ``logprobs_mode="processed_logprobs"``, those of the distribution actually sampled (after temperature, renormalised
   under top-k / top-p);
 - a level-2 sleep discards the weights (they become NaN) and generating before new weights are pushed raises;
-  generating while asleep raises.
+  generating while asleep raises; only one sleep-mode engine may live in a process (vLLM's memory pool is one);
+- with ``distributed_executor_backend="external_launcher"`` it reads ``RANK`` and ``LOCAL_RANK`` from the environment
+  (``KeyError`` without them, as vLLM's executor does) and checks ``RANK`` against the running process group;
+- its construction reseeds the process's global RNGs (``random``, numpy, torch) with ``seed``, as vLLM's worker
+  does, and it samples from torch's global generator, as vLLM's sampler does for requests without their own seed;
+- it records the autograd / inference-mode / autocast / default-dtype context of every call (``contexts``), so
+  tests can check what the engine is called under (vLLM itself would not complain, it would misbehave).
 
 It generates with a real copy of the model (``transformers``, float32, a full forward per token: an independent
 implementation, not HFEngine's loop), so a stale, partial or misnamed weight push changes what it samples and its
@@ -28,10 +34,14 @@ log-probs (``rollout/engine_kl > 0``). Every call is recorded in ``calls``.
 
 from __future__ import annotations
 
+import gc
 import os
+import random
 import sys
 import types
+import weakref
 
+import numpy as np
 import torch
 
 # vLLM's EngineArgs fields (0.10 - 0.11) and LLM.__init__'s own parameters: the keyword arguments LLM accepts.
@@ -91,8 +101,15 @@ def fake_sampling_params(**kwargs) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
+def _context(call: str) -> dict:
+    return {"call": call, "inference_mode": torch.is_inference_mode_enabled(), "grad": torch.is_grad_enabled(),
+            "autocast": torch.is_autocast_enabled("cpu"), "default_dtype": torch.get_default_dtype()}
+
+
 class FakeLLM:
     """``vllm.LLM`` as VLLMEngine uses it (module docstring)."""
+
+    _sleep_mode_instances: weakref.WeakSet = weakref.WeakSet()
 
     def __init__(self, model: str, **kwargs) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -100,6 +117,20 @@ class FakeLLM:
         unknown = set(kwargs) - LLM_ARGUMENTS
         if unknown:
             raise TypeError(f"EngineArgs.__init__() got unexpected keyword argument(s) {sorted(unknown)}")
+        self.contexts = [_context("LLM")]
+        if kwargs.get("distributed_executor_backend") == "external_launcher":
+            self.rank, self.local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+            if torch.distributed.is_initialized() and self.rank != torch.distributed.get_rank():
+                raise RuntimeError(f"RANK={self.rank} but this process is rank {torch.distributed.get_rank()}")
+        if kwargs.get("enable_sleep_mode"):
+            gc.collect()  # a dropped engine releases its memory pool
+            if len(FakeLLM._sleep_mode_instances):
+                raise RuntimeError("Sleep mode can only be used for one instance per process.")
+            FakeLLM._sleep_mode_instances.add(self)
+        seed = int(kwargs.get("seed") or 0)
+        random.seed(seed)  # vLLM's worker: set_random_seed(seed) at init_device
+        np.random.seed(seed)
+        torch.manual_seed(seed)
         mode = kwargs.get("logprobs_mode", "raw_logprobs")
         if mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {sorted(LOGPROBS_MODES)}, got {mode!r}")
@@ -120,7 +151,6 @@ class FakeLLM:
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.parameters = dict(self.model.named_parameters())
-        self.generator = torch.Generator().manual_seed(int(kwargs.get("seed") or 0))
         self.asleep: set[str] = set()
         model_handle = types.SimpleNamespace(load_weights=self._load_weights)
         worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model_handle))
@@ -136,6 +166,7 @@ class FakeLLM:
     def _load_weights(self, pairs) -> set[str]:
         pairs = list(pairs)
         self.calls.append(("load_weights", tuple(name for name, _ in pairs)))
+        self.contexts.append(_context("load_weights"))
         loaded = set()
         with torch.no_grad():
             for name, tensor in pairs:
@@ -156,6 +187,8 @@ class FakeLLM:
 
     def sleep(self, level: int = 1) -> None:
         self.calls.append(("sleep", level))
+        if self.asleep:
+            raise RuntimeError("sleep while asleep")
         if level == 2:  # the weights are discarded, not offloaded: they must be pushed again after waking
             with torch.no_grad():
                 for parameter in self.parameters.values():
@@ -170,6 +203,7 @@ class FakeLLM:
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.calls.append(("generate", len(prompts)))
+        self.contexts.append(_context("generate"))
         self.params = params
         if self.asleep:
             raise RuntimeError(f"generate while asleep ({sorted(self.asleep)}): wake_up first")
@@ -212,8 +246,8 @@ class FakeLLM:
             for row in range(len(prompts)):
                 raw = logits[row]
                 processed = raw if greedy else self._process(raw, params)
-                token = int(processed.argmax()) if greedy else int(torch.multinomial(processed.softmax(-1), 1,
-                                                                                      generator=self.generator))
+                # vLLM's sampler draws from the device's global generator when a request has no seed of its own
+                token = int(processed.argmax()) if greedy else int(torch.multinomial(processed.softmax(-1), 1))
                 chosen.append(token)
                 if finish[row] is not None:
                     continue

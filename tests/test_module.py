@@ -427,14 +427,43 @@ def test_engine_mismatch_is_measured_and_truncated_importance_sampling_weights_t
         if cap is None:
             assert out is pl_out and "tis_clip" not in sums
             continue
-        expected_weight = [[min(math.exp(o - e), cap) for o, e in zip(ro, re)] for ro, re in zip(old.tolist(),
-                                                                                              engine.tolist())]
+        expected_weight = [[min(math.exp(o - e), cap) * m for o, e, m in zip(ro, re, rm)]
+                           for ro, re, rm in zip(old.tolist(), engine.tolist(), mask.tolist())]
         torch.testing.assert_close(out.loss, pl_out.loss * torch.tensor(expected_weight))
         over = [(math.exp(o - e) > cap) * m for o, e, m in zip(old.flatten().tolist(), engine.flatten().tolist(),
                                                               mask.flatten().tolist())]
         assert sums["tis_clip"] == pytest.approx(sum(over) / mask.sum().item())  # 2 of 5 valid tokens here
     with pytest.raises(ValueError, match="engine_is_cap"):
         RLVRModule(model=tiny_model_dir, engine_is_cap=0.0)
+    with pytest.raises(ValueError, match="engine_is_mode"):
+        RLVRModule(model=tiny_model_dir, engine_is_cap=2.0, engine_is_mode="sequence_clip")
+
+
+@pytest.mark.parametrize("mode, key", [("sequence_truncate", "tis_clip"), ("token_mask", "mis_mask"),
+                                       ("sequence_mask", "mis_mask")])
+def test_every_engine_importance_sampling_mode_weights_the_loss_and_counts_its_tokens(tiny_model_dir, mode, key):
+    from lightning_rlvr.algorithms import ppo_clip_loss
+
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -1.0], [-0.2, -0.1, -0.4]])
+    engine = torch.tensor([[-1.5, -0.5, -0.5], [-0.3, -1.0, -9.0], [-0.2, -0.1, -0.5]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    pl_out = ppo_clip_loss(old + 0.1, old, torch.ones_like(old), 0.2, 0.2, None)
+    module = RLVRModule(model=tiny_model_dir, engine_is_cap=2.0, engine_is_mode=mode)
+    sums: dict[str, float] = {}
+    out = module._engine_mismatch(pl_out, old, engine, mask, mask.sum(), sums)
+    # Row ratios: exp(0.5 - 1.5 + 0) = e^-1 (outside [1/2, 2]), exp(0 - 0.2) = e^-0.2, exp(0.1) (both inside);
+    # token ratios outside [1/2, 2]: e^-1.5 (row 0).
+    if mode == "sequence_truncate":
+        weight = [[math.exp(-1)] * 3, [math.exp(-0.2)] * 2 + [0.0], [math.exp(0.1)] * 3]
+        affected = 0
+    elif mode == "sequence_mask":
+        weight = [[0.0] * 3, [math.exp(-0.2)] * 2 + [0.0], [math.exp(0.1)] * 3]
+        affected = 3
+    else:
+        weight = [[math.exp(0.5), 0.0, 1.0], [1.0, math.exp(-0.2), 0.0], [1.0, 1.0, math.exp(0.1)]]
+        affected = 1
+    torch.testing.assert_close(out.loss, pl_out.loss * torch.tensor(weight))
+    assert sums[key] == pytest.approx(affected / mask.sum().item())
 
 
 def test_behaviour_stats_from_the_decoding_loop_replace_the_no_grad_pass(tiny_model_dir, monkeypatch):

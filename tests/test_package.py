@@ -25,3 +25,16 @@ def test_top_level_names_are_the_classes_of_their_modules():
     assert set(lightning_rlvr.__all__) <= set(dir(lightning_rlvr))
     with pytest.raises(AttributeError, match="no attribute 'RLVRModel'"):
         lightning_rlvr.RLVRModel  # noqa: B018
+
+
+def test_the_vllm_extra_needs_a_vllm_whose_processed_logprobs_are_after_temperature():
+    """Before vLLM 0.10.2 (vllm#22387) `processed_logprobs` were taken before temperature: not the trainer's."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    (requirement,) = [Requirement(r) for r in project["optional-dependencies"]["vllm"]]
+    assert requirement.name == "vllm"
+    assert not requirement.specifier.contains("0.10.1") and requirement.specifier.contains("0.10.2")

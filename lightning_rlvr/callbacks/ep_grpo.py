@@ -139,7 +139,8 @@ class EPGRPO(Intervention):
         n_groups = int(groups.max().item()) + 1 if groups.numel() else 0
         row_zero = (ctx.advantages * ctx.mask).abs().sum(-1) == 0
         row_moved = (shaped.abs() * ctx.mask).sum(-1) > 0
-        per_group = torch.zeros(n_groups, dtype=torch.float32, device=groups.device)  # not the default dtype (bf16-true)
+        # float32, not the default dtype (bfloat16 inside training_step under bf16-true)
+        per_group = torch.zeros(n_groups, dtype=torch.float32, device=groups.device)
         group_zero = per_group.index_add(0, groups, (~row_zero).float()) == 0
         group_moved = per_group.index_add(0, groups, row_moved.float()) > 0
         sums = all_sum(torch.stack([

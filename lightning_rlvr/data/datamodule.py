@@ -44,6 +44,7 @@ from lightning_rlvr.data.sources import BuiltinTask, PromptSource
 from lightning_rlvr.distributed import all_max, world_size
 from lightning_rlvr.metrics.pass_at_k import pass_at_k
 from lightning_rlvr.metrics.rcea import majority_vote_correct
+from lightning_rlvr.rng import rng_state, set_rng_state
 from lightning_rlvr.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rlvr.rollout.hf import HFEngine
 from lightning_rlvr.rollout.stops import resolve_stop_token_ids
@@ -128,30 +129,6 @@ class _ResumableDistributedShuffle(DistributedSampler):
             start = consumed if epoch == self.epoch else 0
         self.started, self.consumed = True, start
         yield from list(super().__iter__())[start:]
-
-
-def _rng_state() -> dict:
-    """Global RNG states (torch, CUDA, Python, numpy) as tensors / lists, loadable with ``weights_only=True``."""
-    import numpy as np
-
-    name, keys, position, has_gauss, gauss = np.random.get_state()
-    version, python_state, python_gauss = random.getstate()
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else [],
-            "python": [version, list(python_state), python_gauss],
-            "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(gauss)]}
-
-
-def _set_rng_state(state: dict) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    version, python_state, python_gauss = state["python"]
-    random.setstate((version, tuple(python_state), python_gauss))
-    name, keys, position, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
 
 
 def _as_list(items: list[Problem]) -> list[Problem]:
@@ -300,7 +277,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """
         version, internal, gauss = self._refill_rng.getstate()
         state = {**(self._shuffle.position() if self._shuffle is not None else {"consumed": 0}),
-                 "refill_rng": [version, list(internal), gauss], "rng": _rng_state()}
+                 "refill_rng": [version, list(internal), gauss], "rng": rng_state()}
         if self.trainer is not None and self.trainer.world_size > 1:
             per_rank: list = [None] * self.trainer.world_size
             torch.distributed.all_gather_object(per_rank, state)
@@ -368,7 +345,7 @@ class RolloutDataModule(pl.LightningDataModule):
             inside_epoch = restored["consumed"] + self.prompts_per_step <= len(self._shuffle)
             self._shuffle.resume(restored, inside_epoch)
             if not inside_epoch:  # the next epoch's shuffle draws from the checkpoint's RNG states, as it would have
-                _set_rng_state(restored["rng"])
+                set_rng_state(restored["rng"])
                 self._restored = None
         return DataLoader(dataset, batch_size=self.prompts_per_step, sampler=self._shuffle, drop_last=True,
                           collate_fn=_as_list)
@@ -411,6 +388,12 @@ class RolloutDataModule(pl.LightningDataModule):
     def _generate_and_score(self, problems: list[Problem], n: int, sampling: SamplingConfig,
                             first_group: int = 0) -> tuple[list[_Scored], int]:
         prompts = [self.prompt_ids(p) for p in problems]
+        limit = self.engine.max_prompt_tokens
+        for problem, ids in zip(problems, prompts):
+            if limit is not None and len(ids) > limit:
+                raise ValueError(f"the prompt {problem.prompt[:80]!r} is {len(ids)} tokens long (templates included), "
+                                 f"more than the engine takes ({type(self.engine).__name__}: {limit}); raise the "
+                                 f"engine's max_model_len or leave such prompts out of the data")
         out = self.engine.generate(prompts, n, sampling)
         stop_ids = set(sampling.stop_token_ids)
         rows: list[_Scored] = []
@@ -444,7 +427,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.tokenizer is None:
             raise RuntimeError("RolloutDataModule.rollout called before setup()/connect(tokenizer)")
         if self._restored is not None:  # the first step after a resume starts from the checkpoint's RNG states
-            _set_rng_state(self._restored["rng"])
+            set_rng_state(self._restored["rng"])
             self._restored = None
         if self._shuffle is not None:
             self._shuffle.consumed += len(problems)
@@ -510,6 +493,7 @@ class RolloutDataModule(pl.LightningDataModule):
                     f"dynamic sampling kept {n_groups_kept}/{self.prompts_per_step} groups after "
                     f"{rounds} rounds (max_generation_rounds); training on fewer prompts this step"
                 )
+        self.engine.release()  # all rounds are generated: the update may have the memory
         batch = self._to_batch(kept, version)
         generated = len(all_rows)
         batch.stats.update({
@@ -594,6 +578,7 @@ class RolloutDataModule(pl.LightningDataModule):
             raise RuntimeError("RolloutDataModule.sample_completions called before setup()/connect(tokenizer)")
         self._sync_policy()
         rows, _ = self._generate_and_score(problems, n, self.sampling)
+        self.engine.release()
         return [[(r.text, r.score > 0.5) for r in rows[i * n : (i + 1) * n]] for i in range(len(problems))]
 
     @torch.no_grad()

@@ -91,7 +91,14 @@ class GenerationOutput:
 
 
 class RolloutEngine(ABC):
-    """Generates completions for token-id prompts."""
+    """Generates completions for token-id prompts.
+
+    Attributes:
+        max_prompt_tokens: the longest prompt the engine can take (vLLM's ``max_model_len``), or ``None``; the
+            DataModule names a longer prompt before generating rather than losing the batch.
+    """
+
+    max_prompt_tokens: int | None = None
 
     @abstractmethod
     def sync(self, policy: nn.Module, version: int) -> None:
@@ -100,6 +107,13 @@ class RolloutEngine(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> GenerationOutput:
         """``n`` completions for each prompt (token ids, BOS included), rows grouped by prompt."""
+
+    def release(self) -> None:
+        """Done generating for now (a rollout, all its rounds, or a validation epoch): free what generation holds.
+
+        The DataModule calls it once per rollout and the module once per validation epoch; nothing by default
+        (an engine on the live policy holds nothing), vLLM's goes to sleep.
+        """
 
     @staticmethod
     def stop_ids(policy: nn.Module, sampling: SamplingConfig) -> tuple[int, ...]:

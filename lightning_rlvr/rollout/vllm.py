@@ -28,13 +28,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_rlvr.rng import preserved_rng_state
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
 from lightning_rlvr.sharding import full_weights
 
@@ -63,6 +66,42 @@ def _vllm_sampling_params(**kwargs: Any):
     return SamplingParams(**kwargs)
 
 
+@contextlib.contextmanager
+def _clean_context() -> Iterator[None]:
+    """Where vLLM is built, fed and run: no inference mode, no autograd, no autocast, float32 default dtype.
+
+    The engine is reached from inside Lightning's hooks: the first sync often happens in the sanity validation, under
+    ``torch.inference_mode`` (vLLM's weights would become inference tensors, which no later in-place load may
+    touch outside inference mode); ``precision="bf16-true"`` sets the default dtype to bfloat16 inside
+    ``training_step``; ``bf16-mixed`` adds autocast. Each is switched off here and restored afterwards.
+    """
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.no_grad())
+            for device_type in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+            yield
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def _set_launcher_environment() -> None:
+    """The environment vLLM's ``external_launcher`` reads, from the process group Lightning already started.
+
+    vLLM reads ``RANK`` and ``LOCAL_RANK`` from the environment (``KeyError`` without them); Lightning's own launcher
+    sets ``LOCAL_RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR``/``MASTER_PORT`` but never ``RANK`` (torchrun does), so
+    ``--trainer.devices N`` without torchrun could not start vLLM. As TRL does, they are set from the process group.
+    """
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world)
+    if "LOCAL_RANK" not in os.environ:  # one node: the device index the trainer placed this rank on
+        os.environ["LOCAL_RANK"] = str(torch.cuda.current_device() if torch.cuda.is_available() else rank)
+
+
 class VLLMEngine(RolloutEngine):
     """Colocated vLLM engine with in-place weight sync.
 
@@ -72,15 +111,18 @@ class VLLMEngine(RolloutEngine):
         gpu_memory_utilization: share of the GPU vLLM may take (weights + KV cache); the trainer needs the rest.
         max_model_len: longest prompt + completion in tokens (``None``: the model's).
         dtype: vLLM's weight and compute dtype.
-        enable_sleep_mode: free vLLM's GPU memory between generations (sleep after generating, wake at the next
-            sync or generation).
+        enable_sleep_mode: free vLLM's GPU memory while the policy trains: the engine sleeps once a rollout (all its
+            dynamic-sampling rounds) or a validation epoch is done (:meth:`release`) and wakes at the next sync or
+            generation.
         sleep_level: 1 = weights offloaded to CPU, KV cache dropped; 2 = both dropped (the weights are pushed
             again on waking).
         weight_bucket_mb: size of one weight-sync bucket (bounds the gathered, not yet loaded tensors).
         enforce_eager: no CUDA graphs (slower decoding, faster start, less memory).
         logprobs_mode: which log-probs vLLM returns; ``"processed_logprobs"`` (after temperature) is what the trainer
             computes. ``None`` keeps vLLM's default.
-        seed: vLLM's sampling seed (each rank adds its rank, so ranks sample differently).
+        seed: the seed vLLM is built with (each rank adds its rank). vLLM's worker reseeds the process's global RNGs
+            with it at construction; the engine restores them afterwards, so the run's random streams (and an exact
+            resume) are untouched, and vLLM samples from the trainer's global generator like HFEngine.
         llm_factory: builds the LLM from keyword arguments (default ``vllm.LLM``); for tests and custom setups.
         sampling_params_factory: builds sampling parameters (default ``vllm.SamplingParams``).
     """
@@ -120,6 +162,7 @@ class VLLMEngine(RolloutEngine):
         self.sampling_params_factory = sampling_params_factory or _vllm_sampling_params
         self.llm: Any = None
         self.llm_kwargs: dict[str, Any] = {}
+        self.max_prompt_tokens: int | None = max_model_len  # known for sure once the engine has started
         self.policy: nn.Module | None = None
         self.version: int | None = None  # the policy version whose weights vLLM holds
         self._asleep: set[str] = set()  # "weights" / "kv_cache" while sleeping
@@ -127,7 +170,11 @@ class VLLMEngine(RolloutEngine):
     # -- engine lifecycle ----------------------------------------------------------------------------------
     def _start(self, policy: nn.Module) -> None:
         # The model must live in this process for `load_weights` to reach it (as TRL's colocate mode sets).
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if multiprocessing != "0":
+            rank_zero_warn(f"VLLMEngine: VLLM_ENABLE_V1_MULTIPROCESSING={multiprocessing} would put vLLM's model in "
+                           f"another process, out of reach of the weight sync; setting it to 0 for this process")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         kwargs: dict[str, Any] = dict(
             model=self.model or policy.config.name_or_path, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -140,8 +187,11 @@ class VLLMEngine(RolloutEngine):
             kwargs["logprobs_mode"] = self.logprobs_mode
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per trainer rank
+            _set_launcher_environment()
         self.llm_kwargs = kwargs
-        self.llm = self.llm_factory(**kwargs)
+        with preserved_rng_state():  # vLLM's worker reseeds random, numpy, torch and CUDA with `seed`
+            self.llm = self.llm_factory(**kwargs)
+        self.max_prompt_tokens = self.max_model_len or getattr(policy.config, "max_position_embeddings", None)
 
     def _model(self) -> Any:
         for path in _MODEL_PATHS:
@@ -173,19 +223,36 @@ class VLLMEngine(RolloutEngine):
     # -- RolloutEngine -------------------------------------------------------------------------------------
     def sync(self, policy: nn.Module, version: int) -> None:
         """Push ``policy``'s weights into vLLM if they changed (a collective on sharded policies)."""
-        if self.llm is None:
-            self._start(policy)
-        self.policy = policy
-        if version == self.version:
-            return
-        self._wake(["weights"])
-        self._push_weights()
-        self.version = version
+        with _clean_context():
+            if self.llm is None:
+                self._start(policy)
+            self.policy = policy
+            if version == self.version:
+                return
+            self._wake(["weights"])
+            self._push_weights()
+            self.version = version
 
-    @torch.no_grad()
+    def release(self) -> None:
+        """Put vLLM to sleep (with ``enable_sleep_mode``), freeing its GPU memory for the update: once per rollout
+        and once per validation epoch, not after every ``generate`` (dynamic-sampling rounds and validation
+        batches would each pay a wake: a CPU→GPU copy of the weights at level 1, a full push at level 2)."""
+        if self.enable_sleep_mode and self.llm is not None and not self._asleep:
+            with _clean_context():
+                self.llm.sleep(level=self.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
+
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> GenerationOutput:
         if self.llm is None or self.policy is None:
             raise RuntimeError("VLLMEngine.generate called before sync(policy)")
+        with _clean_context():
+            return self._generate(prompts, n, sampling)
+
+    def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> GenerationOutput:
+        longest = max(len(p) for p in prompts)
+        if self.max_prompt_tokens is not None and longest > self.max_prompt_tokens:
+            raise ValueError(f"VLLMEngine: a prompt of {longest} tokens is longer than max_model_len="
+                             f"{self.max_prompt_tokens}; vLLM would fail the whole batch")
         if "weights" in self._asleep:
             self._wake(["weights"])
             if self.sleep_level == 2:  # level 2 dropped the weights: they must be pushed again
@@ -197,13 +264,11 @@ class VLLMEngine(RolloutEngine):
         params = self.sampling_params_factory(
             n=n, max_tokens=sampling.max_new_tokens, logprobs=0,  # 0: the sampled token's log-prob only
             stop_token_ids=list(stop_ids),
+            detokenize=False,  # the DataModule decodes the ids; vLLM would detokenise every token on the CPU
             **(dict(temperature=0.0) if sampling.greedy else
                dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1)),
         )
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        if self.enable_sleep_mode:
-            self.llm.sleep(level=self.sleep_level)
-            self._asleep = {"weights", "kv_cache"}
         return self._to_output(prompts, outputs, n, stop_ids)
 
     def _to_output(self, prompts: list[list[int]], outputs: list, n: int,

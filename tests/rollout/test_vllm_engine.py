@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 from fake_vllm import FakeLLM, fake_sampling_params
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rlvr.rollout.base import SamplingConfig
 from lightning_rlvr.rollout.vllm import VLLMEngine, _vllm_llm
@@ -78,11 +78,16 @@ def test_sleep_and_wake_order_around_updates_and_generations(policy):
     sampling = SamplingConfig(max_new_tokens=4)
     engine.sync(policy, 0)
     engine.generate([[1, 5]], 2, sampling)
+    engine.generate([[1, 6]], 2, sampling)  # a second dynamic-sampling round: no sleep in between
+    engine.release()  # the rollout is done: sleep during the update
     engine.sync(policy, 1)  # after an update: weights first, then the KV cache for generating
     engine.generate([[1, 5]], 2, sampling)
+    engine.release()
     engine.generate([[1, 6]], 1, sampling)  # validation right after: same weights, everything woken
+    engine.release()
+    engine.release()  # already asleep: nothing to do
     assert [c for c in engine.llm.calls if c[0] != "load_weights"] == [
-        ("reset_prefix_cache",), ("generate", 1), ("sleep", 1),
+        ("reset_prefix_cache",), ("generate", 1), ("generate", 1), ("sleep", 1),
         ("wake_up", ("weights",)), ("reset_prefix_cache",), ("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", 1),
         ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", 1),
     ]
@@ -94,10 +99,11 @@ def test_sleep_level_2_pushes_the_weights_again_on_waking(policy):
     sampling = SamplingConfig(max_new_tokens=4)
     engine.sync(policy, 0)
     engine.generate([[1, 5]], 1, sampling)
+    engine.release()
     engine.generate([[1, 5]], 1, sampling)  # level 2 dropped the weights: pushed again before generating
     kinds = [c[0] for c in engine.llm.calls]
     assert kinds == ["load_weights", "reset_prefix_cache", "generate", "sleep",
-                     "wake_up", "load_weights", "reset_prefix_cache", "wake_up", "generate", "sleep"]
+                     "wake_up", "load_weights", "reset_prefix_cache", "wake_up", "generate"]
 
 
 def test_completions_and_vllm_logprobs_are_passed_through(policy):
@@ -240,3 +246,212 @@ def test_a_skipped_weight_push_shows_up_as_engine_kl(tiny_model_dir, memory_logg
     kl = memory_logger.history["rollout/engine_kl"]
     assert kl[0] < 1e-5  # the first rollout: pushed
     assert min(kl[1], kl[2]) > 1e-3  # later rollouts sampled by the version-0 weights the engine kept
+
+
+# -- what vLLM enforces and what the engine must do about it (../shared/reviews/vllm-review.md priority list) ------
+def quiet_trainer(max_steps: int, logger, **kwargs):
+    import lightning.pytorch as pl
+
+    settings = dict(accelerator="cpu", max_steps=max_steps, logger=logger, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                    num_sanity_val_steps=0, log_every_n_steps=1)
+    return pl.Trainer(**{**settings, **kwargs})
+
+
+def test_two_ranks_started_by_lightnings_launcher_build_vllm_with_their_rank(tiny_model_dir, tmp_path):
+    """Lightning's launcher sets LOCAL_RANK and WORLD_SIZE, never RANK, which vLLM's external_launcher reads."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    run = subprocess.run([sys.executable, str(root / "tests" / "vllm_two_ranks.py"), tiny_model_dir, str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, result in enumerate(ranks):
+        assert (result["rank"], result["world_size"], result["global_step"]) == (r, 2, 2)
+        assert result["backend"] == "external_launcher" and (result["llm_rank"], result["llm_local_rank"]) == (r, r)
+        assert result["seed"] == r  # each rank's engine gets its own seed
+        assert result["pushes"] == 2 and all(abs(kl) < 1e-5 for kl in result["engine_kl"])
+
+
+def test_the_engine_is_built_fed_and_run_outside_inference_mode_autocast_and_bf16_defaults(policy):
+    """Lightning's sanity validation runs under inference_mode, bf16-true sets a bfloat16 default dtype."""
+    engine = make_engine()
+    outer = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.sync(policy, 0)  # the first sync, as in a sanity validation under bf16-true
+            engine.generate([[1, 5, 6]], 2, SamplingConfig(max_new_tokens=3))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            engine.sync(policy, 1)  # the next one, in a training step
+        assert torch.get_default_dtype() == torch.bfloat16  # the caller's context is given back
+    finally:
+        torch.set_default_dtype(outer)
+    contexts = engine.llm.contexts
+    assert [c["call"] for c in contexts] == ["LLM", "load_weights", "generate", "load_weights"]
+    for context in contexts:
+        assert context == {"call": context["call"], "inference_mode": False, "grad": False, "autocast": False,
+                           "default_dtype": torch.float32}
+
+
+def test_building_the_engine_leaves_every_global_rng_where_it_was(policy):
+    """vLLM's worker reseeds random, numpy and torch in this process; a resumed run must not see that."""
+    import random
+
+    import numpy as np
+
+    from lightning_rlvr.rng import rng_state
+
+    torch.manual_seed(1234)
+    random.seed(99)
+    np.random.seed(7)
+    before = rng_state()
+    engine = make_engine(seed=5)
+    engine.sync(policy, 0)
+    after = rng_state()
+    assert torch.equal(before["torch"], after["torch"])
+    assert before["python"] == after["python"]
+    assert torch.equal(before["numpy"][1], after["numpy"][1]) and before["numpy"][2:] == after["numpy"][2:]
+
+
+def resumable_fit(model_dir: str, checkpoint_dir: str, logger, max_steps: int = 6, ckpt_path: str | None = None,
+                  seed: int = 0) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+    from lightning_rlvr.verifiers import CallableVerifier
+
+    pl.seed_everything(seed, verbose=False)
+    engine = make_engine(enable_sleep_mode=True, sleep_level=2, logprobs_mode="processed_logprobs")
+    data = RolloutDataModule(source=BuiltinTask("addition", warm_start_fraction=0.0), engine=engine,
+                             verifier=CallableVerifier(lambda completion, answer: float(len(completion) % 2)),
+                             prompts_per_step=2, group_size=8, max_new_tokens=12, val_samples=0)
+    # Two minibatches: the module draws their order from the global RNG every step.
+    module = RLVRModule(model=model_dir, learning_rate=1e-2, minibatch_size=8)
+    trainer = quiet_trainer(max_steps * 2, logger, enable_checkpointing=True, callbacks=[
+        ModelCheckpoint(dirpath=checkpoint_dir, every_n_train_steps=6, save_top_k=-1)])
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+
+
+def test_a_resumed_run_with_the_vllm_engine_continues_exactly(tiny_model_dir, tmp_path):
+    """The engine is built again after a resume; its construction must not reseed the restored random streams."""
+    from lightning_rlvr.loggers import InMemoryLogger
+
+    full = InMemoryLogger()
+    resumable_fit(tiny_model_dir, str(tmp_path / "full"), full)
+    checkpoint = tmp_path / "full" / "epoch=0-step=6.ckpt"  # after 3 rollout steps (2 minibatches each)
+    assert checkpoint.exists()
+    resumed = InMemoryLogger()
+    resumable_fit(tiny_model_dir, str(tmp_path / "resumed"), resumed, ckpt_path=str(checkpoint), seed=123)
+    assert sorted(resumed.history["loss/pg"]) == [3, 4, 5]
+    for key in ("loss/pg", "reward/mean", "rollout/engine_kl", "policy/grad_norm", "entropy/token_mean"):
+        expected = {s: v for s, v in full.history[key].items() if s >= 3}
+        assert {s: repr(v) for s, v in resumed.history[key].items()} == {s: repr(v) for s, v in expected.items()}, key
+    assert len(set(full.history["reward/mean"].values())) > 1  # the rollouts are not all alike
+
+
+def test_the_engine_sleeps_once_per_rollout_and_once_per_validation_epoch(tiny_model_dir, memory_logger):
+    from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+    from lightning_rlvr.verifiers import CallableVerifier
+
+    engine = make_engine(enable_sleep_mode=True)
+    data = RolloutDataModule(source=BuiltinTask("addition", warm_start_fraction=0.0), engine=engine,
+                             verifier=CallableVerifier(lambda completion, answer: 0.0),  # every group uninformative
+                             prompts_per_step=2, group_size=4, max_new_tokens=6, dynamic_sampling=True,
+                             max_generation_rounds=3, val_batch_size=2, val_max_prompts=6, val_samples=2, val_k=2)
+    trainer = quiet_trainer(4, memory_logger, limit_val_batches=None, num_sanity_val_steps=-1,
+                            val_check_interval=2, check_val_every_n_epoch=None)
+    with pytest.warns(UserWarning, match="dynamic sampling kept no informative group"):
+        trainer.fit(RLVRModule(model=tiny_model_dir), data)
+    calls = [c[0] for c in engine.llm.calls]
+    rollouts, validations = 4, 3  # the sanity check and after steps 2 and 4
+    generations = rollouts * 3 + validations * 3 * 2  # 3 rounds a rollout; 3 batches x (greedy + samples) an epoch
+    assert calls.count("generate") == generations
+    assert calls.count("sleep") == rollouts + validations
+    # weights and KV cache wake after each sleep but the last (the engine starts awake)
+    assert calls.count("wake_up") == 2 * (rollouts + validations - 1)
+
+
+def test_engine_is_cap_with_top_p_or_top_k_is_refused(tiny_model_dir):
+    from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+
+    for sampling in ({"top_p": 0.9}, {"top_k": 20}):
+        data = RolloutDataModule(source=BuiltinTask("addition"), engine=make_engine(), **sampling)
+        with pytest.raises(ValueError, match="engine_is_cap needs top_p=1 and top_k=0"):
+            quiet_trainer(1, False).fit(RLVRModule(model=tiny_model_dir, engine_is_cap=2.0), data)
+
+
+def test_a_prompt_longer_than_max_model_len_is_named_before_generating(tiny_model_dir):
+    from lightning_rlvr import RolloutDataModule
+    from lightning_rlvr.tasks import Problem
+    from tests.conftest import ListSource
+
+    problems = [Problem("1+1=", "2"), Problem("12+34+5+6+7+8+9=", "81")]
+    engine = make_engine(max_model_len=10)
+    data = RolloutDataModule(source=ListSource(problems), engine=engine, prompts_per_step=2, group_size=2)
+    data.connect(AutoTokenizer.from_pretrained(tiny_model_dir))
+    data.trainer = types.SimpleNamespace(lightning_module=types.SimpleNamespace(
+        policy=AutoModelForCausalLM.from_pretrained(tiny_model_dir), policy_version=0))
+    with pytest.raises(ValueError, match=r"'12\+34\+5\+6\+7\+8\+9=' is 17 tokens long.*max_model_len"):
+        data.rollout(problems)
+    assert [c for c in engine.llm.calls if c[0] == "generate"] == []  # nothing was lost in vLLM
+
+
+def test_vllm_multiprocessing_set_by_the_user_is_switched_off_with_a_warning(policy, monkeypatch):
+    import os
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.warns(UserWarning, match="VLLM_ENABLE_V1_MULTIPROCESSING=1 would put vLLM's model in another process"):
+        make_engine().sync(policy, 0)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_sampling_params_are_vllms_and_skip_detokenizing(policy):
+    engine = make_engine()
+    engine.sync(policy, 0)
+    engine.generate([[1, 5]], 2, SamplingConfig(max_new_tokens=3))
+    assert engine.llm.params.detokenize is False  # the DataModule decodes the ids itself
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        fake_sampling_params(max_new_tokens=3)  # the stand-in knows vLLM's fields only
+    with pytest.raises(ValueError, match="greedy"):
+        fake_sampling_params(n=2, temperature=0.0)
+
+
+def test_the_stand_in_enforces_what_vllm_enforces(policy, tiny_model_dir, monkeypatch):
+    with pytest.raises(TypeError, match="gpu_memory_utilisation"):
+        FakeLLM(model=tiny_model_dir, gpu_memory_utilisation=0.3)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(KeyError, match="RANK"):
+        FakeLLM(model=tiny_model_dir, distributed_executor_backend="external_launcher")
+    llm = FakeLLM(model=tiny_model_dir, enable_sleep_mode=True)
+    with pytest.raises(RuntimeError, match="one instance per process"):
+        FakeLLM(model=tiny_model_dir, enable_sleep_mode=True)
+    with pytest.raises(KeyError):
+        llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(
+            [("model.layers.0.self_attn.q_proj.weight.orig", torch.zeros(1))])
+    llm.sleep(level=2)
+    llm.wake_up()
+    with pytest.raises(RuntimeError, match="discarded weights"):
+        llm.generate([{"prompt_token_ids": [1, 5]}], fake_sampling_params(max_tokens=2))
+    del llm
+
+
+def test_level_2_sleep_between_rollouts_re_pushes_the_weights(tiny_model_dir, memory_logger):
+    from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+    from lightning_rlvr.verifiers import CallableVerifier
+
+    engine = make_engine(enable_sleep_mode=True, sleep_level=2, logprobs_mode="processed_logprobs")
+    data = RolloutDataModule(source=BuiltinTask("addition", warm_start_fraction=0.0), engine=engine,
+                             verifier=CallableVerifier(lambda completion, answer: 1.0),
+                             prompts_per_step=2, group_size=8, max_new_tokens=40, val_samples=0)
+    quiet_trainer(3, memory_logger).fit(RLVRModule(model=tiny_model_dir, learning_rate=1e-2), data)
+    assert max(abs(v) for v in memory_logger.history["rollout/engine_kl"].values()) < 1e-5
