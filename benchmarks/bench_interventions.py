@@ -11,6 +11,14 @@ apart from that second model's forward.
     python benchmarks/bench_interventions.py
     python benchmarks/bench_interventions.py --rounds 5 --steps 60 --new-tokens 16 --json interventions.json
     python benchmarks/bench_interventions.py --model larger    # bench_step.py's 2.4M-parameter model
+
+With ``--micro-batch-size`` the update is split into micro-batches. Interventions whose statistics are defined over
+the batch then get the whole minibatch's from one no-grad forward before its micro-batches (extra pass
+``minibatch_stats``); the ``*_per_micro_batch`` rows take them per micro-batch instead, as the verl-based
+reference code does, and show what that pass costs:
+
+    python benchmarks/bench_interventions.py --model larger --micro-batch-size 16 \
+        --rows clip_cov clip_cov_per_micro_batch top_entropy_tokens top_entropy_tokens_per_micro_batch
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ def interventions(name: str) -> list:
         "opefo": [cb.OPEFO()],
         "hapo": [cb.HAPO()],
         "ep_grpo": [cb.EPGRPO()],
+        "clip_cov_per_micro_batch": [cb.ClipCov(scope="micro_batch")],
+        "top_entropy_tokens_per_micro_batch": [cb.TopEntropyTokens(scope="micro_batch")],
     }
     if name in single:
         return single[name]
@@ -65,10 +75,11 @@ def interventions(name: str) -> list:
 
 ROWS = ("grpo", "clip_cov", "kl_cov", "top_entropy_tokens", "entropy_bonus", "adaptive_entropy", "gtpo",
         "perplexity_shaping", "position_shaping", "steer", "paec", "opefo", "hapo", "ep_grpo", "all_paper",
-        "all_but_reference")
+        "all_but_reference", "clip_cov_per_micro_batch", "top_entropy_tokens_per_micro_batch")
+DEFAULT_ROWS = ROWS[:-2]  # the per-micro-batch rows differ from their minibatch rows only when micro-batching
 
 
-def worker(row: str, model: str, new_tokens: int, steps: int, warmup: int) -> dict:
+def worker(row: str, model: str, new_tokens: int, steps: int, warmup: int, micro_batch_size: int | None) -> dict:
     import lightning.pytorch as pl
     import torch
 
@@ -89,7 +100,7 @@ def worker(row: str, model: str, new_tokens: int, steps: int, warmup: int) -> di
         path = build_tiny_model(directory, TinyModelConfig(**MODELS[model]))
         data = RolloutDataModule(source=BuiltinTask("addition", max_operand=49), prompts_per_step=8, group_size=8,
                                  max_new_tokens=new_tokens, val_samples=0)
-        module = RLVRModule(model=path, learning_rate=3e-4, max_grad_norm=1.0)
+        module = RLVRModule(model=path, learning_rate=3e-4, max_grad_norm=1.0, micro_batch_size=micro_batch_size)
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps + warmup, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              limit_val_batches=0, num_sanity_val_steps=0, callbacks=[*callbacks, Stamp()])
@@ -98,13 +109,16 @@ def worker(row: str, model: str, new_tokens: int, steps: int, warmup: int) -> di
     timed = stamps[warmup:]
     return {"steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]),
             "passes": [name for name in ("old_stats", "ref_logprobs", "flow_stats", "entropy_grad")
-                       if getattr(needs, name)] + (["nucleus"] if needs.nucleus_top_p else []),
+                       if getattr(needs, name)] + (["nucleus"] if needs.nucleus_top_p else [])
+                      + (["minibatch_stats"] if needs.minibatch_stats and micro_batch_size else []),
             "interventions": sum(isinstance(c, Intervention) for c in callbacks)}
 
 
-def measure(row: str, model: str, new_tokens: int, steps: int, warmup: int) -> dict:
+def measure(row: str, model: str, new_tokens: int, steps: int, warmup: int, micro_batch_size: int | None) -> dict:
     command = [sys.executable, __file__, "--worker", row, "--model", model, "--new-tokens", str(new_tokens),
                "--steps", str(steps), "--warmup", str(warmup)]
+    if micro_batch_size:
+        command += ["--micro-batch-size", str(micro_batch_size)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{row} failed:\n{done.stderr[-3000:]}")
@@ -122,17 +136,19 @@ def ratio_table(samples: dict[str, list[float]], details: dict[str, dict]) -> li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    parser.add_argument("--rows", nargs="+", choices=ROWS, default=list(DEFAULT_ROWS))
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny", help="bench_step.py's model shapes")
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="completions per forward/backward")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.model, args.new_tokens, args.steps, args.warmup)))
+        print(json.dumps(worker(args.worker, args.model, args.new_tokens, args.steps, args.warmup,
+                                args.micro_batch_size)))
         return
     rows = ["grpo", *[r for r in args.rows if r != "grpo"]]
     samples: dict[str, list[float]] = {row: [] for row in rows}
@@ -140,13 +156,14 @@ def main() -> None:
     for round_index in range(args.rounds):
         shift = round_index % len(rows)
         for row in rows[shift:] + rows[:shift]:
-            result = measure(row, args.model, args.new_tokens, args.steps, args.warmup)
+            result = measure(row, args.model, args.new_tokens, args.steps, args.warmup, args.micro_batch_size)
             samples[row].append(result["steps_per_s"])
             details[row] = result
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     table = ratio_table(samples, details)
-    print(f"\n{args.model} model, {args.new_tokens} new tokens, 8 x 8 completions; best and median of {args.rounds} "
-          f"rounds of {args.steps} steps")
+    micro = f", micro-batches of {args.micro_batch_size}" if args.micro_batch_size else ""
+    print(f"\n{args.model} model, {args.new_tokens} new tokens, 8 x 8 completions{micro}; best and median of "
+          f"{args.rounds} rounds of {args.steps} steps")
     print("| interventions | steps/s (best) | step time × GRPO (best) | × GRPO (median) | extra passes |")
     print("|---|---|---|---|---|")
     for entry in table:
@@ -154,7 +171,8 @@ def main() -> None:
               f"{entry['median_step_time_vs_grpo']:.2f} | {', '.join(entry['passes']) or '—'} |")
     if args.json:
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "model": args.model,
-                                         "new_tokens": args.new_tokens, "rows": table}, indent=2))
+                                         "new_tokens": args.new_tokens, "micro_batch_size": args.micro_batch_size,
+                                         "rows": table}, indent=2))
 
 
 if __name__ == "__main__":

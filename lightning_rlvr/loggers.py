@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-
 from lightning.pytorch.loggers.logger import Logger
 
 __all__ = ["InMemoryLogger"]
@@ -11,6 +9,9 @@ __all__ = ["InMemoryLogger"]
 
 class InMemoryLogger(Logger):
     """Records every logged metric as ``history[key][step] = value``.
+
+    ``history`` is a plain dict: reading a metric that was never logged raises ``KeyError`` (a check on a metric that
+    is not there must fail, not see an empty history).
 
     Example::
 
@@ -22,7 +23,7 @@ class InMemoryLogger(Logger):
 
     def __init__(self) -> None:
         super().__init__()
-        self.history: dict[str, dict[int, float]] = collections.defaultdict(dict)
+        self.history: dict[str, dict[int, float]] = {}
 
     @property
     def name(self) -> str:
@@ -38,7 +39,7 @@ class InMemoryLogger(Logger):
 
     def log_metrics(self, metrics, step=None) -> None:
         for key, value in metrics.items():
-            self.history[key][step] = float(value)
+            self.history.setdefault(key, {})[step] = float(value)
 
     def log_hyperparams(self, *args, **kwargs) -> None:
         pass

@@ -53,7 +53,14 @@ from lightning_rlvr.algorithms import (
 )
 from lightning_rlvr.algorithms.aggregation import AGGREGATION_MODES
 from lightning_rlvr.algorithms.engine_correction import ENGINE_IS_MODES, EngineISMode, engine_importance_weights
-from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, Needs, StepContext
+from lightning_rlvr.callbacks.base import (
+    Intervention,
+    MicroBatchContext,
+    MinibatchView,
+    Needs,
+    StepContext,
+    detached,
+)
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
 from lightning_rlvr.models.tiny_chat import CHAT_MODEL_SHAPE, build_tiny_chat_model
@@ -406,7 +413,11 @@ class RLVRModule(pl.LightningModule):
         or an intervention that reads them); the rollout engine is then asked for them (``HFEngine`` computes them
         while decoding, sparing the no-grad pass). A ``minibatch_size`` at least the batch over-asks: harmless."""
         hp = self.hparams
-        return self.needs().old_stats or hp.ppo_epochs > 1 or hp.minibatch_size is not None
+        needs = self.needs()
+        # Split minibatches give batch-level interventions the minibatch's stats: before the first update, the
+        # behaviour policy's are the current ones, and spare that pass too.
+        return (needs.old_stats or hp.ppo_epochs > 1 or hp.minibatch_size is not None
+                or (needs.minibatch_stats and hp.micro_batch_size is not None))
 
     # -- per-token statistics ------------------------------------------------------------------------------
     def token_stats(self, model: torch.nn.Module, batch: RolloutBatch, entropy_grad: bool = False,
@@ -466,12 +477,48 @@ class RLVRModule(pl.LightningModule):
         self._fused_path_checked = True
 
     @torch.no_grad()
-    def _no_grad_stats(self, model: torch.nn.Module, batch: RolloutBatch, with_sbar: bool = False) -> TokenStats:
+    def _no_grad_stats(self, model: torch.nn.Module, batch: RolloutBatch, with_sbar: bool = False,
+                       nucleus_top_p: float | None = None) -> TokenStats:
         micro = self.hparams.micro_batch_size or len(batch)
-        parts = [self.token_stats(model, batch.select(idx), with_sbar=with_sbar)
-                 for idx in torch.arange(len(batch)).split(micro)]
-        return TokenStats(torch.cat([p.logprobs for p in parts]), torch.cat([p.entropy for p in parts]),
-                          torch.cat([p.sbar for p in parts]) if with_sbar else None)
+        parts = [self.token_stats(model, batch.select(idx), with_sbar=with_sbar, nucleus_top_p=nucleus_top_p)
+                 for idx in torch.arange(len(batch), device=batch.input_ids.device).split(micro)]
+        stats = TokenStats(torch.cat([p.logprobs for p in parts]), torch.cat([p.entropy for p in parts]),
+                           torch.cat([p.sbar for p in parts]) if with_sbar else None)
+        if nucleus_top_p is not None:
+            stats.nucleus_entropy = torch.cat([p.nucleus_entropy for p in parts])
+            stats.top2_gap = torch.cat([p.top2_gap for p in parts])
+        return stats
+
+    def _minibatch_view(self, rollout: RolloutBatch, rows: Tensor, advantages: Tensor, old: TokenStats | None,
+                        needs: Needs, stats: TokenStats | None = None,
+                        policy_loss: PolicyLossOutput | None = None) -> MinibatchView:
+        """The statistics of minibatch ``rows`` that batch-level interventions select over.
+
+        From the training forward when the minibatch is one micro-batch (``stats``, ``policy_loss`` given); before
+        the step's first update, from the behaviour stats the engine computed while decoding (the same policy);
+        otherwise from one no-grad pass over the minibatch at the current parameters, in micro-batch-sized chunks
+        (the same rows as the training forward's, so the same values), before its micro-batches are trained on.
+        """
+        unchanged = self.policy_version == rollout.policy_version  # no update applied yet this step
+        has_behaviour = (rollout.behaviour_logprobs is not None and rollout.behaviour_entropy is not None
+                         and (not needs.flow_stats or rollout.behaviour_sbar is not None))
+        if stats is None and unchanged and has_behaviour and needs.nucleus_top_p is None:
+            stats = TokenStats(rollout.behaviour_logprobs[rows], rollout.behaviour_entropy[rows],
+                               rollout.behaviour_sbar[rows] if needs.flow_stats else None)
+        if stats is None:
+            stats = self._no_grad_stats(self.policy, rollout.select(rows), with_sbar=needs.flow_stats,
+                                        nucleus_top_p=needs.nucleus_top_p)
+        logprobs = stats.logprobs.detach()
+        old_logprobs = logprobs if old is None else old.logprobs[rows]
+        old_entropy = stats.entropy.detach() if old is None else old.entropy[rows]
+        hp = self.hparams
+        if policy_loss is None:
+            policy_loss = ppo_clip_loss(logprobs, old_logprobs, advantages, hp.clip_low, hp.clip_high, hp.dual_clip)
+        sbar = None if stats.sbar is None else stats.sbar.detach()
+        return MinibatchView(mask=rollout.response_mask[rows], advantages=advantages, logprobs=logprobs,
+                             old_logprobs=old_logprobs, entropy=stats.entropy.detach(), old_entropy=old_entropy,
+                             policy_loss=detached(policy_loss), sbar=sbar,
+                             nucleus_entropy=stats.nucleus_entropy, top2_gap=stats.top2_gap)
 
     def _behaviour_stats(self, batch: RolloutBatch, with_sbar: bool) -> TokenStats:
         """The behaviour policy's stats of ``batch``: the engine's, computed while decoding on this very module
@@ -568,6 +615,10 @@ class RLVRModule(pl.LightningModule):
                 opt.zero_grad()
                 finite = True
                 micro_indices = mb_index.split(hp.micro_batch_size or len(mb_index))
+                # Batch-level intervention statistics over the whole minibatch, whatever the micro-batch size.
+                view = (self._minibatch_view(rollout, mb_index, token_adv[mb_index], old, needs)
+                        if interventions and needs.minibatch_stats and len(micro_indices) > 1 else None)
+                first_row = 0
                 for micro_number, micro_index in enumerate(micro_indices):
                     if deepspeed_engine is not None:
                         _deepspeed_next_micro_batch(deepspeed_engine)
@@ -591,6 +642,11 @@ class RLVRModule(pl.LightningModule):
                     aggregate = functools.partial(aggregate_loss, mask=m, mode=hp.loss_aggregation,
                                                   normalizer=normalizer)
                     if interventions:
+                        if needs.minibatch_stats and view is None:  # one micro-batch: it is the minibatch
+                            view = self._minibatch_view(rollout, micro_index, token_adv[micro_index], old, needs,
+                                                        stats=stats, policy_loss=pl_out)
+                        rows = torch.arange(first_row, first_row + len(micro_index), device=self.device)
+                        first_row += len(micro_index)
                         mctx = MicroBatchContext(
                             step=ctx, index=micro_index, mask=m, advantages=token_adv[micro_index],
                             logprobs=stats.logprobs, old_logprobs=old_logprobs, entropy=stats.entropy,
@@ -598,6 +654,7 @@ class RLVRModule(pl.LightningModule):
                             top2_gap=stats.top2_gap,
                             ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro_index],
                             policy_loss=pl_out, weights=torch.ones_like(m), aggregate=aggregate,
+                            minibatch=view, rows=rows,
                         )
                         pg_loss, extra = self._apply_interventions(interventions, mctx)
                         sums["extra"] = sums.get("extra", 0.0) + extra.item()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-process or subprocess runs (deselect with -m "not slow")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -49,6 +49,7 @@ CPU_OVERRIDES = {"fsdp.yaml": ["--trainer.accelerator", "cpu", "--trainer.device
 GPU_ONLY = {"deepspeed_zero3.yaml"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_trains_for_two_rollout_steps(config, tmp_path, monkeypatch):
     if config.name in GPU_ONLY:
@@ -62,7 +63,7 @@ def test_every_config_trains_for_two_rollout_steps(config, tmp_path, monkeypatch
     cli = build_cli([
         "fit", "--config", str(config),
         "--trainer.max_steps", str(2 * updates_per_rollout),
-        "--trainer.logger", "false",
+        "--trainer.logger", "lightning_rlvr.loggers.InMemoryLogger",
         "--trainer.enable_checkpointing", "false",
         "--trainer.enable_progress_bar", "false",
         "--trainer.limit_val_batches", "1",
@@ -73,6 +74,25 @@ def test_every_config_trains_for_two_rollout_steps(config, tmp_path, monkeypatch
         *CPU_OVERRIDES.get(config.name, []),
     ])
     assert cli.trainer.global_step == 2 * updates_per_rollout
+    # What the config is for happened: its losses are finite, its KL term and dynamic sampling ran, its strategy
+    # is the one configured, and each of its interventions logged its own metrics.
+    history = cli.trainer.logger.history
+    assert len(history["loss/total"]) == 2 and all(map(math.isfinite, history["loss/total"].values()))
+    assert "val/accuracy" in history
+    if model.get("kl_coef", 0) > 0:
+        assert all(map(math.isfinite, history["loss/kl"].values())) and len(history["loss/kl"]) == 2
+    if data.get("dynamic_sampling"):
+        assert "rollout/generation_rounds" in history and "rollout/kept_groups" in history
+    strategy = settings.get("trainer", {}).get("strategy")
+    if isinstance(strategy, dict):
+        assert type(cli.trainer.strategy).__name__ == strategy["class_path"].rsplit(".", 1)[-1]
+    from lightning_rlvr.callbacks import Intervention
+
+    for callback in cli.trainer.callbacks:
+        every = getattr(callback, "every_n_steps", 1)  # diagnostics that log every n steps: n <= 2 here
+        if isinstance(callback, Intervention) and callback.metric_prefix and every <= 2:
+            logged = [key for key in history if key.startswith(callback.metric_prefix + "/")]
+            assert logged, f"{type(callback).__name__} logged nothing"
 
 
 def test_unknown_config_key_fails_naming_the_key(tmp_path):
@@ -151,6 +171,7 @@ def gsm8k_like_dataset(directory: Path) -> None:
                           "test": datasets.Dataset.from_list(rows[30:])}).save_to_disk(str(directory))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda p: p.name)
 def test_gpu_vllm_configs_train_on_the_chat_model_with_the_vllm_stand_in(config, tiny_chat_dir, tmp_path,
                                                                           monkeypatch):
@@ -182,6 +203,7 @@ def test_gpu_vllm_configs_train_on_the_chat_model_with_the_vllm_stand_in(config,
     assert all(abs(kl) < 0.05 for kl in history["rollout/engine_kl"].values()), dict(history["rollout/engine_kl"])
 
 
+@pytest.mark.slow
 def test_the_chat_quickstart_learns_through_the_chat_template(monkeypatch, tmp_path):
     """configs/quickstart_chat.yaml, its first 450 steps (the full run: README): warm start, then GRPO on the chat
     model, with held-out accuracy measured before and after (measured: 0.075 -> 0.136; rollout reward of the first

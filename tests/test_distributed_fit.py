@@ -31,6 +31,8 @@ from lightning_rlvr.sharding import full_weights, is_sharded
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers import CallableVerifier
 
+pytestmark = pytest.mark.slow  # multi-process or subprocess runs (deselect with -m "not slow")
+
 PROMPTS, GROUP, STEPS = 8, 4, 2
 
 

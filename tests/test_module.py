@@ -84,6 +84,7 @@ def test_logprobs_match_the_generation_logits_with_left_padding(tiny_model_dir):
                                rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_grpo_learns_the_reverse_task(tiny_model_dir, memory_logger):
     pl.seed_everything(0)
     module = RLVRModule(model=tiny_model_dir, learning_rate=3e-4)
@@ -381,6 +382,7 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(tiny_model_dir, tmp_p
         assert {s: resumed[key][s] for s in (3, 4, 5)} == {s: full[key][s] for s in (3, 4, 5)}, key
 
 
+@pytest.mark.slow
 def test_sigkill_after_a_checkpoint_then_resume_matches_the_uninterrupted_run(tiny_model_dir, tmp_path):
     import os
     import signal

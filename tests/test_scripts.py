@@ -19,6 +19,7 @@ def test_gpu_script_prints_its_usage(script):
     assert "usage:" in done.stdout and "GPU" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_vllm_smoke_script_runs_end_to_end_on_the_stand_in(tmp_path):
     """The GPU script's logic, dry-run on the CPU with the vLLM stand-in as `vllm` (the real run needs a GPU)."""
     runner = tmp_path / "run.py"

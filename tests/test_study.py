@@ -120,6 +120,7 @@ def table_rows(report: str) -> dict[str, list[str]]:
     return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
 
 
+@pytest.mark.slow
 def test_micro_study_report_matches_the_mlflow_runs_and_a_rerun_skips_them(tmp_path, capsys):
     methods = shipped()["methods"]
     broken = {"trainer": {"callbacks": [{"class_path": "lightning_rlvr.callbacks.ClipCov",

@@ -24,11 +24,15 @@ some callback uses: entropy with gradient (entropy bonuses), old-policy log-prob
 the advantages are shaped (normally skipped on a single on-policy update), reference log-probs (loads
 the frozen reference model even without a KL term).
 
-Statistics that a method defines over "the batch" (means, quantiles, top-k, random subsets) are taken
-over the valid tokens of the current micro-batch **on all ranks**: :meth:`MicroBatchContext.gather_valid`
-concatenates every rank's valid tokens (rank order, then row-major), so one process and N processes
-select the same tokens. With one device and no micro-batching that is the minibatch, which is what the
-reference implementations (verl-based, statistics per micro-batch) do when micro-batch = minibatch.
+Statistics that a method defines over "the batch" (means, quantiles, top-k, random subsets, maxima) are
+taken over the valid tokens of the whole **minibatch on all ranks**, whatever ``micro_batch_size`` is, so
+micro-batching changes memory only: :meth:`MicroBatchContext.statistics_view` gives the minibatch's detached
+statistics (:class:`MinibatchView`; an intervention declaring ``Needs(minibatch_stats=True)`` makes the module
+run one no-grad pass over the minibatch before its micro-batches when it is split, and reuse the training
+forward when it is not), :meth:`MinibatchView.gather_valid` concatenates every rank's valid tokens (rank order,
+then row-major), so one process and N processes select the same tokens, and :meth:`MinibatchView.once` computes
+a selection once per minibatch for all its micro-batches. The verl-based reference implementations take their
+statistics per device micro-batch; the interventions that follow them offer that as ``scope="micro_batch"``.
 
 Metrics: ``ctx.log("clip_cov/selected_fraction", x)`` (or ``mctx.log``); values logged several times
 in a step (once per micro-batch) are averaged, then logged with the step's other metrics. Under DDP the
@@ -38,9 +42,10 @@ on rank-independent, i.e. already reduced, quantities).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -54,7 +59,11 @@ if TYPE_CHECKING:
     from lightning_rlvr.algorithms.policy_loss import PolicyLossOutput
     from lightning_rlvr.data.batch import RolloutBatch
 
-__all__ = ["Intervention", "MicroBatchContext", "Needs", "StepContext"]
+__all__ = ["Intervention", "MicroBatchContext", "MinibatchView", "Needs", "StatisticsScope", "StepContext"]
+
+#: Over what an intervention takes its batch statistics: the whole minibatch (default: independent of
+#: ``micro_batch_size``) or each micro-batch (the verl reference code's per-device semantics).
+StatisticsScope = Literal["minibatch", "micro_batch"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,8 @@ class Needs:
         nucleus_top_p: the ``top_p`` of the current policy's local nucleus entropy and top-two log-prob gap
             in ``mctx.nucleus_entropy`` / ``mctx.top2_gap``
             (:func:`~lightning_rlvr.ops.nucleus_entropy_and_gap`, a no-grad ``topk`` pass); ``None`` = not needed.
+        minibatch_stats: the whole minibatch's current statistics in ``mctx.minibatch`` while its micro-batches are
+            processed (one no-grad forward over the minibatch when ``micro_batch_size`` splits it).
     """
 
     entropy_grad: bool = False
@@ -79,6 +90,7 @@ class Needs:
     ref_logprobs: bool = False
     flow_stats: bool = False
     nucleus_top_p: float | None = None
+    minibatch_stats: bool = False
 
     def __or__(self, other: Needs) -> Needs:
         if None not in (self.nucleus_top_p, other.nucleus_top_p) and self.nucleus_top_p != other.nucleus_top_p:
@@ -86,7 +98,7 @@ class Needs:
                              f"({self.nucleus_top_p} and {other.nucleus_top_p}); use one value")
         top_p = self.nucleus_top_p if self.nucleus_top_p is not None else other.nucleus_top_p
         flags = {name: getattr(self, name) or getattr(other, name)
-                 for name in ("entropy_grad", "old_stats", "ref_logprobs", "flow_stats")}
+                 for name in ("entropy_grad", "old_stats", "ref_logprobs", "flow_stats", "minibatch_stats")}
         return Needs(**flags, nucleus_top_p=top_p)
 
 
@@ -144,6 +156,61 @@ class StepContext:
 
 
 @dataclass
+class MinibatchView:
+    """Detached per-token statistics of every row of one minibatch (or of one micro-batch, for
+    ``scope="micro_batch"``), shared by the micro-batches it is split into.
+
+    Attributes:
+        mask: ``(B, T)`` float response mask.
+        advantages: ``(B, T)`` shaped advantages.
+        logprobs: ``(B, T)`` current log-probs (detached).
+        old_logprobs: ``(B, T)`` behaviour log-probs.
+        entropy: ``(B, T)`` current entropy (detached).
+        old_entropy: ``(B, T)`` behaviour entropy.
+        policy_loss: the PPO surrogate of these log-probs (ratio and clip indicators; detached).
+        sbar: ``(B, T)`` current ``S̄`` when some callback needs ``flow_stats``.
+        nucleus_entropy: ``(B, T)`` current local top-p entropy when some callback needs ``nucleus_top_p``.
+        top2_gap: ``(B, T)`` current top-two log-prob gap, same availability.
+    """
+
+    mask: Tensor
+    advantages: Tensor
+    logprobs: Tensor
+    old_logprobs: Tensor
+    entropy: Tensor
+    old_entropy: Tensor | None
+    policy_loss: PolicyLossOutput
+    sbar: Tensor | None = None
+    nucleus_entropy: Tensor | None = None
+    top2_gap: Tensor | None = None
+    _results: dict = field(default_factory=dict)
+
+    @property
+    def valid(self) -> Tensor:
+        """``(B, T)`` bool mask of valid tokens."""
+        return self.mask > 0
+
+    def gather_valid(self, values: Tensor) -> tuple[Tensor, int]:
+        """These rows' valid-token values on every rank, flattened: ``(all_values, offset of this rank's)``."""
+        return gather_cat(values[self.valid].detach())
+
+    def scatter_valid(self, selected: Tensor, offset: int) -> Tensor:
+        """Inverse of :meth:`gather_valid` for this rank: a flat selection back to a ``(B, T)`` tensor."""
+        valid = self.valid
+        local = selected[offset : offset + int(valid.sum().item())]
+        out = torch.zeros(valid.shape, dtype=selected.dtype, device=valid.device)
+        out[valid] = local.to(valid.device)
+        return out
+
+    def once(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()`` the first time ``key`` (e.g. the intervention) asks, its cached result afterwards: a
+        selection made once per minibatch serves all its micro-batches."""
+        if key not in self._results:
+            self._results[key] = compute()
+        return self._results[key]
+
+
+@dataclass
 class MicroBatchContext:
     """One micro-batch of one optimizer step (rows ``index`` of the step's batch).
 
@@ -165,6 +232,9 @@ class MicroBatchContext:
         aggregate: ``aggregate(values) -> scalar`` with the module's mode and minibatch-wide normaliser,
             so that an extra loss term accumulates over micro-batches (and ranks) like the pg loss.
         extra_losses: ``{callback state_key: term}`` returned so far this micro-batch.
+        minibatch: the whole minibatch's statistics when some callback needs ``minibatch_stats``
+            (:meth:`statistics_view`).
+        rows: ``(b,)`` positions of this micro-batch's rows in ``minibatch``.
     """
 
     step: StepContext
@@ -183,30 +253,36 @@ class MicroBatchContext:
     sbar: Tensor | None = None
     nucleus_entropy: Tensor | None = None
     top2_gap: Tensor | None = None
+    minibatch: MinibatchView | None = None
+    rows: Tensor | None = None
+    _own_view: MinibatchView | None = None
 
     def log(self, name: str, value: float | Tensor) -> None:
         self.step.log(name, value)
+
+    def statistics_view(self, scope: StatisticsScope = "minibatch") -> tuple[MinibatchView, Tensor]:
+        """``(view, rows)``: the statistics a batch-level selection is taken over, and this micro-batch's rows in it.
+
+        ``scope="minibatch"``: the whole minibatch (needs ``Needs(minibatch_stats=True)``), so the selection does
+        not depend on ``micro_batch_size``; ``"micro_batch"``: this micro-batch alone.
+        """
+        if scope == "minibatch":
+            if self.minibatch is None:
+                raise RuntimeError("the minibatch's statistics were not computed: declare Needs(minibatch_stats=True)")
+            return self.minibatch, self.rows
+        if self._own_view is None:
+            self._own_view = MinibatchView(
+                mask=self.mask, advantages=self.advantages, logprobs=self.logprobs.detach(),
+                old_logprobs=self.old_logprobs, entropy=self.entropy.detach(), old_entropy=self.old_entropy,
+                policy_loss=detached(self.policy_loss), sbar=None if self.sbar is None else self.sbar.detach(),
+                nucleus_entropy=self.nucleus_entropy, top2_gap=self.top2_gap)
+        return self._own_view, torch.arange(len(self.index), device=self.mask.device)
 
     @property
     def valid(self) -> Tensor:
         """``(b, T)`` bool mask of valid tokens."""
         return self.mask > 0
 
-    def gather_valid(self, values: Tensor) -> tuple[Tensor, int]:
-        """This micro-batch's valid-token values on every rank, flattened: ``(all_values, offset)``."""
-        return gather_cat(values[self.valid].detach())
-
-    def scatter_valid(self, selected: Tensor, offset: int) -> Tensor:
-        """Inverse of :meth:`gather_valid` for this rank: a flat selection back to a ``(b, T)`` tensor."""
-        valid = self.valid
-        local = selected[offset : offset + int(valid.sum().item())]
-        out = torch.zeros(valid.shape, dtype=selected.dtype, device=valid.device)
-        out[valid] = local.to(valid.device)
-        return out
-
-    def global_count(self) -> int:
-        """Number of valid tokens of this micro-batch on all ranks."""
-        return int(all_sum(self.valid.sum()).item())
 
 
 class Intervention(Callback):
@@ -246,6 +322,22 @@ class Intervention(Callback):
 
     def log_name(self, name: str) -> str:
         return f"{self.metric_prefix}/{name}" if self.metric_prefix else name
+
+
+def detached(policy_loss: PolicyLossOutput) -> PolicyLossOutput:
+    """The surrogate's output without its graph (statistics are read, never differentiated)."""
+    return dataclasses.replace(policy_loss, loss=policy_loss.loss.detach(), ratio=policy_loss.ratio.detach())
+
+
+def check_scope(name: str, scope: str) -> None:
+    """Refuse a :data:`StatisticsScope` that is neither ``"minibatch"`` nor ``"micro_batch"``."""
+    if scope not in ("minibatch", "micro_batch"):
+        raise ValueError(f"{name}: scope must be 'minibatch' or 'micro_batch', got {scope!r}")
+
+
+def scope_key(scope: str) -> dict[str, str]:
+    """The scope's part of a state key: nothing for the default, so checkpoints keep their keys."""
+    return {} if scope == "minibatch" else {"scope": scope}
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> float:

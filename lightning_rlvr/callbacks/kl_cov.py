@@ -1,6 +1,7 @@
 """KLCov: a KL penalty on the top-k covariance tokens only (Cui et al., arXiv 2505.22617, Eq. 13–14).
 
-Over the valid tokens of the micro-batch (on all ranks), ``Cov_t = (log π_t − mean log π)(A_t − mean A)``
+Over the valid tokens of the minibatch (on all ranks; ``scope="micro_batch"``: of each micro-batch, the reference
+code's per-device semantics), ``Cov_t = (log π_t − mean log π)(A_t − mean A)``
 (current log-probs, detached). The ``k = max(1, ⌊ratio · N⌋)`` tokens with the largest ``Cov_t``
 (ties: the earlier token) get ``coef · |log π_θ − log π_old|`` added to their per-token loss, aggregated
 like the pg loss. Reference semantics (verl / PRIME-RL ``compute_policy_loss_kl_cov``):
@@ -24,7 +25,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_rlvr.algorithms.covariance import kl_cov_selection, token_covariance
-from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext
+from lightning_rlvr.callbacks.base import (
+    Intervention,
+    MicroBatchContext,
+    MinibatchView,
+    Needs,
+    StatisticsScope,
+    check_scope,
+    scope_key,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -36,8 +45,10 @@ class KLCov(Intervention):
     """KL-Cov: ``coef · |log π_θ − log π_old|`` on the top-``ratio`` covariance tokens.
 
     Args:
-        ratio: fraction of valid tokens penalised per micro-batch (paper 2e-3 for 7B, 2e-4 for 32B).
+        ratio: fraction of valid tokens penalised per minibatch (paper 2e-3 for 7B, 2e-4 for 32B).
         coef: β, the penalty weight (paper 1.0).
+        scope: the tokens the covariance and the top-k are taken over: ``"minibatch"`` (independent of
+            ``micro_batch_size``) or ``"micro_batch"`` (the reference code's).
 
     Example::
 
@@ -48,31 +59,39 @@ class KLCov(Intervention):
 
     metric_prefix = "kl_cov"
 
-    def __init__(self, ratio: float = 2e-3, coef: float = 1.0) -> None:
+    def __init__(self, ratio: float = 2e-3, coef: float = 1.0, scope: StatisticsScope = "minibatch") -> None:
         if not 0 < ratio <= 1:
             raise ValueError(f"KLCov: ratio must be in (0, 1], got {ratio}")
         if not coef > 0:
             raise ValueError(f"KLCov: coef must be > 0, got {coef}")
+        check_scope("KLCov", scope)
+        self.scope = scope
+        self.needs = Needs(minibatch_stats=scope == "minibatch")
         self.ratio = float(ratio)
         self.coef = float(coef)
 
     @property
     @override
     def state_key(self) -> str:
-        return self._state_key(ratio=self.ratio, coef=self.coef)
+        return self._state_key(ratio=self.ratio, coef=self.coef, **scope_key(self.scope))
 
     @override
     def extra_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor:
-        logprobs, offset = ctx.gather_valid(ctx.logprobs)
-        advantages, _ = ctx.gather_valid(ctx.advantages)
-        covariance = token_covariance(logprobs, advantages)
-        selected = kl_cov_selection(covariance, self.ratio)
-        penalised = ctx.scatter_valid(selected, offset).to(ctx.mask.dtype)
+        view, rows = ctx.statistics_view(self.scope)
+        penalised = view.once(self, lambda: self._penalised(view, ctx))[rows]
         abs_kl = (ctx.logprobs - ctx.old_logprobs).abs()
         term = ctx.aggregate(self.coef * abs_kl * penalised)
+        ctx.log(self.log_name("loss"), term.detach())
+        return term
+
+    def _penalised(self, view: MinibatchView, ctx: MicroBatchContext) -> Tensor:
+        """``(B, T)`` 1 on the top-``ratio`` covariance tokens of ``view``'s rows."""
+        logprobs, offset = view.gather_valid(view.logprobs)
+        advantages, _ = view.gather_valid(view.advantages)
+        covariance = token_covariance(logprobs, advantages)
+        selected = kl_cov_selection(covariance, self.ratio)
         n_valid = max(covariance.numel(), 1)
         ctx.log(self.log_name("selected_fraction"), selected.sum().item() / n_valid)
         ctx.log(self.log_name("selected_covariance"),
                 covariance[selected].mean().item() if selected.any() else 0.0)
-        ctx.log(self.log_name("loss"), term.detach())
-        return term
+        return view.scatter_valid(selected, offset).to(view.mask.dtype)

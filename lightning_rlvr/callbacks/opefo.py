@@ -19,8 +19,8 @@ Choices of ours, each an argument: ``flow="exact"`` uses E3; ``"onlyza"`` the sa
 ``−A r π(1−π)(log π + H)``, likely the paper's Eq. 6, which a third-party review disputes (§13.3).
 ``coefficient="static"`` with ``static_lambda=1e-3`` and ``sides="increasing" | "decreasing"`` are the paper's
 ablations (one-sided: only ``S₊`` gets ``1 + λ``, or only ``S₋`` gets ``1 − λ``). ``F₊``/``F₋`` are sums over
-the micro-batch's valid tokens on all ranks — the whole batch with the module's default micro-batching (one
-micro-batch per minibatch); with smaller micro-batches λ is per micro-batch.
+the minibatch's valid tokens on all ranks — the whole batch in the paper's strictly on-policy setting — whatever
+``micro_batch_size`` is.
 
 Metrics: ``opefo/lambda``, ``opefo/flow_up`` (F₊), ``opefo/flow_down`` (F₋), ``opefo/increasing_fraction``
 (``|S₊| / (|S₊| + |S₋|)``), ``opefo/net_flow_weighted`` (``Σ w c`` over valid tokens: 0 for the default rule).
@@ -36,7 +36,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_rlvr.algorithms.entropy_change import balancing_coefficient, predicted_entropy_flow, sampled_logit_flow
-from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, Needs
+from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, MinibatchView, Needs
 from lightning_rlvr.distributed import all_sum
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class OPEFO(Intervention):
         self.flow, self.coefficient, self.static_lambda = flow, coefficient, float(static_lambda)
         self.sides, self.strict_on_policy = sides, bool(strict_on_policy)
         # S̄ only for the exact flow; the sampled-logit estimate needs log π and H alone.
-        self.needs = Needs(flow_stats=flow == "exact")
+        self.needs = Needs(flow_stats=flow == "exact", minibatch_stats=True)
 
     @property
     @override
@@ -101,24 +101,27 @@ class OPEFO(Intervention):
                 f"minibatch_size={minibatch}. Pass strict_on_policy=False to allow several updates."
             )
 
-    def token_flow(self, ctx: MicroBatchContext) -> Tensor:
+    def token_flow(self, view: MinibatchView) -> Tensor:
         """Predicted entropy change per token (units of the step size), detached; 0 where the clip is active."""
-        out = ctx.policy_loss
+        out = view.policy_loss
         clipped = out.clipped_high | out.clipped_low | out.dual_clipped
-        logprobs, entropy = ctx.logprobs.detach(), ctx.entropy.detach()
         if self.flow == "exact":
-            return predicted_entropy_flow(ctx.advantages, logprobs, entropy, ctx.sbar, out.ratio, clipped)
-        return sampled_logit_flow(ctx.advantages, logprobs, entropy, out.ratio, clipped)
+            return predicted_entropy_flow(view.advantages, view.logprobs, view.entropy, view.sbar, out.ratio, clipped)
+        return sampled_logit_flow(view.advantages, view.logprobs, view.entropy, out.ratio, clipped)
 
     @override
     def token_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor:
-        valid = ctx.valid
-        flow = torch.where(valid, self.token_flow(ctx), torch.zeros_like(ctx.mask))
+        view, rows = ctx.statistics_view()
+        return view.once(self, lambda: self._weights(view, ctx))[rows]
+
+    def _weights(self, view: MinibatchView, ctx: MicroBatchContext) -> Tensor:
+        valid = view.valid
+        flow = torch.where(valid, self.token_flow(view), torch.zeros_like(view.mask))
         up, down = flow > 0, flow < 0
         totals = all_sum(torch.stack([flow[up].sum(), -flow[down].sum(), up.sum().float(), down.sum().float()]))
         flow_up, flow_down, n_up, n_down = (t.item() for t in totals)
         lam = balancing_coefficient(flow_up, flow_down) if self.coefficient == "adaptive" else self.static_lambda
-        weights = torch.ones_like(ctx.mask)
+        weights = torch.ones_like(view.mask)
         if self.sides in ("both", "increasing"):
             weights = torch.where(up, weights * (1 + lam), weights)
         if self.sides in ("both", "decreasing"):

@@ -11,7 +11,8 @@ function, its temperatures, ``λ`` and ``ρ_min`` were not found and are ours (d
 
 Options: ``hinge="per_token"`` penalises ``Σ g_t max(0, floor − H_t)² / Σ g_t`` instead of the aggregate
 hinge; ``mask="none"`` sets ``g = 1`` (the paper's "without mask" ablation). Quantiles and sums are over the
-micro-batch's valid tokens on all ranks (the whole batch under the default micro-batching).
+minibatch's valid tokens on all ranks, whatever ``micro_batch_size`` is: ``H̄``, ``Σ g`` and the hinge are the
+minibatch's, and each micro-batch contributes its tokens' share of the penalty's gradient.
 
 Metrics: ``paec/anchor``, ``paec/floor``, ``paec/selected_entropy`` (H̄), ``paec/below_floor`` (1 when the
 hinge is active), ``paec/penalty``, ``paec/mask_mean``, ``paec/mask_selected_fraction`` (``g > ½``),
@@ -29,7 +30,7 @@ from typing_extensions import override
 
 from lightning_rlvr.algorithms.position_calibration import decision_sensitivity_mask, entropy_floor_penalty
 from lightning_rlvr.algorithms.selection import lower_quantile
-from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, Needs, StepContext
+from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, MinibatchView, Needs, StepContext
 from lightning_rlvr.distributed import all_sum
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ class PAEC(Intervention):
         self.top_p, self.anchor_steps = float(top_p), int(anchor_steps)
         self.entropy_temperature, self.gap_temperature = float(entropy_temperature), float(gap_temperature)
         self.hinge, self.mask = hinge, mask
-        self.needs = Needs(entropy_grad=True, nucleus_top_p=self.top_p if mask == "soft" else None)
+        self.needs = Needs(entropy_grad=True, nucleus_top_p=self.top_p if mask == "soft" else None,
+                           minibatch_stats=True)
         self.anchor_sum, self.anchor_count = 0.0, 0
         self._step_selected: list[float] = []
 
@@ -101,27 +103,27 @@ class PAEC(Intervention):
         """``H_0`` once ``anchor_steps`` steps were seen, else ``None``."""
         return self.anchor_sum / self.anchor_count if self.anchor_count >= self.anchor_steps else None
 
-    def soft_mask(self, ctx: MicroBatchContext) -> Tensor:
-        """``g`` on this micro-batch (0 off the mask), thresholds from all ranks' valid tokens."""
+    def soft_mask(self, view: MinibatchView) -> Tensor:
+        """``g`` on ``view``'s rows (0 off the mask), thresholds from all ranks' valid tokens."""
         if self.mask == "none":
-            return ctx.mask.clone()
-        if ctx.nucleus_entropy is None or ctx.top2_gap is None:
-            raise RuntimeError("PAEC needs mctx.nucleus_entropy and mctx.top2_gap; the module did not compute them")
-        nucleus, _ = ctx.gather_valid(ctx.nucleus_entropy)
-        gap, _ = ctx.gather_valid(ctx.top2_gap)
+            return view.mask.clone()
+        if view.nucleus_entropy is None or view.top2_gap is None:
+            raise RuntimeError("PAEC needs the nucleus entropy and top-two gap; the module did not compute them")
+        nucleus, _ = view.gather_valid(view.nucleus_entropy)
+        gap, _ = view.gather_valid(view.top2_gap)
         if nucleus.numel() == 0:
-            return torch.zeros_like(ctx.mask)
-        g = decision_sensitivity_mask(ctx.nucleus_entropy, ctx.top2_gap, lower_quantile(nucleus, self.mask_quantile),
+            return torch.zeros_like(view.mask)
+        g = decision_sensitivity_mask(view.nucleus_entropy, view.top2_gap, lower_quantile(nucleus, self.mask_quantile),
                                       lower_quantile(gap, 1 - self.mask_quantile), self.entropy_temperature,
                                       self.gap_temperature)
-        return g * ctx.mask
+        return g * view.mask
 
-    @override
-    def extra_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor | None:
-        g = self.soft_mask(ctx).detach()
-        entropy = ctx.entropy
-        sums = all_sum(torch.stack([(g * entropy.detach()).sum(), g.sum(), ((ctx.mask - g) * entropy.detach()).sum(),
-                                    (ctx.mask - g).sum(), (g > 0.5).float().sum(), ctx.mask.sum()]).double())
+    def _minibatch_penalty(self, view: MinibatchView, ctx: MicroBatchContext) -> dict[str, Any] | None:
+        """The minibatch's mask, ``Σ g`` and hinge (all ranks), or ``None`` when no penalty applies."""
+        g = self.soft_mask(view).detach()
+        entropy = view.entropy
+        sums = all_sum(torch.stack([(g * entropy).sum(), g.sum(), ((view.mask - g) * entropy).sum(),
+                                    (view.mask - g).sum(), (g > 0.5).float().sum(), view.mask.sum()]).double())
         weighted, g_total, rest, rest_total, n_selected, n_valid = sums.tolist()
         if g_total <= 0:
             return None
@@ -135,23 +137,32 @@ class PAEC(Intervention):
         if anchor is None:
             return None
         floor = self.floor_ratio * anchor
+        violation = max(floor - selected, 0.0)
         if self.hinge == "aggregate":
-            # λ·relu(floor − H̄)² with H̄ = Σ_ranks g·H / Σ_ranks g: its gradient on this rank's tokens is
-            # −2λ·relu(floor − H̄)·g_t/Σg, carried by a surrogate whose value is this rank's share of the penalty.
-            violation = max(floor - selected, 0.0)
             penalty = self.coefficient * violation**2
-            local = (g * entropy).sum()
-            term = -2 * self.coefficient * violation * (local - local.detach()) / g_total
-            term = term + penalty * g.sum() / g_total
         else:
-            per_token = entropy_floor_penalty(entropy, floor) * g
-            term = self.coefficient * per_token.sum() / g_total
-            penalty = all_sum(term.detach()).item()
+            penalty = self.coefficient * all_sum((entropy_floor_penalty(entropy, floor) * g).sum()).item() / g_total
         ctx.log(self.log_name("anchor"), anchor)
         ctx.log(self.log_name("floor"), floor)
         ctx.log(self.log_name("below_floor"), float(selected < floor))
         ctx.log(self.log_name("penalty"), penalty)
-        return term
+        return {"g": g, "g_total": g_total, "floor": floor, "violation": violation, "penalty": penalty}
+
+    @override
+    def extra_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor | None:
+        view, rows = ctx.statistics_view()
+        minibatch = view.once(self, lambda: self._minibatch_penalty(view, ctx))
+        if minibatch is None:
+            return None
+        g, g_total, entropy = minibatch["g"][rows], minibatch["g_total"], ctx.entropy
+        if self.hinge == "aggregate":
+            # λ·relu(floor − H̄)² with H̄ = Σ g·H / Σ g over the minibatch on all ranks: its gradient on this
+            # micro-batch's tokens is −2λ·relu(floor − H̄)·g_t/Σg, carried by a surrogate whose value is these
+            # tokens' share of the penalty.
+            local = (g * entropy).sum()
+            term = -2 * self.coefficient * minibatch["violation"] * (local - local.detach()) / g_total
+            return term + minibatch["penalty"] * g.sum() / g_total
+        return self.coefficient * (entropy_floor_penalty(entropy, minibatch["floor"]) * g).sum() / g_total
 
     @override
     def on_update_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> None:

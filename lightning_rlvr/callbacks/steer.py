@@ -10,14 +10,15 @@ estimated change ``|Ω|``, so that no token moves the entropy by much in either 
     k = \\frac{-\\ln λ_{min}}{\\max(\\max_s |Ω_s|, 0.02)}; \\qquad
     \\text{linear mode: } w_t = w_{max} - \\frac{|Ω_t| - \\min|Ω|}{\\max|Ω| - \\min|Ω|}(w_{max} - w_{min})
 
-with min/max over the valid tokens of the micro-batch (here on all ranks, so the weights do not depend on
-the number of GPUs). Reference semantics (``zz-haooo/STEER``, ``compute_token_weights``): the default
+with min/max over the valid tokens of the minibatch, on all ranks, so the weights depend neither on the number of
+GPUs nor on ``micro_batch_size`` (``scope="micro_batch"``: per micro-batch, the released code's per-device pool).
+Reference semantics (``zz-haooo/STEER``, ``compute_token_weights``): the default
 ``omega="code"`` is the released code's ``Ω = A·r·(1−π)(log π + H_old)`` with the *old-policy* entropy;
 ``"onlyza"`` and ``"exact"`` are the corrected estimates of ALGORITHMS.md §13.2 (the code's Ω lacks a factor
 ``π`` against the first-order change; see :mod:`lightning_rlvr.algorithms.entropy_change`). The paper's main
 runs use exp mode with ``λ_min = 0.8``, clip 0.2/0.28 and dual-clip ``c = 10`` (set those on the module).
 
-Metrics (each over a micro-batch's valid tokens on all ranks, averaged over the step's micro-batches):
+Metrics (each over a minibatch's valid tokens on all ranks, averaged over the step's minibatches):
 ``steer/weight_mean``, ``steer/weight_min``, ``steer/weight_max``, ``steer/omega_abs_max``, and
 ``steer/clipfrac_high`` (``A > 0`` and ``r > 1 + ε_high``) / ``steer/clipfrac_low`` (``A < 0`` and
 ``r < 1 − ε_low``) of the tokens it weighs.
@@ -32,7 +33,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_rlvr.algorithms.entropy_change import OmegaMode, WeightMode, steer_omega, steer_weights
-from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, Needs
+from lightning_rlvr.callbacks.base import (
+    Intervention,
+    MicroBatchContext,
+    MinibatchView,
+    Needs,
+    StatisticsScope,
+    check_scope,
+    scope_key,
+)
 from lightning_rlvr.distributed import all_max, all_sum
 
 if TYPE_CHECKING:
@@ -53,6 +62,8 @@ class STEER(Intervention):
         omega_floor: exp mode's lower bound on ``max|Ω|`` (0.02 in the code), so that a batch of tiny
             changes is not stretched to ``w_min``. ``"onlyza"``/``"exact"`` values are smaller by about
             ``π``: a floor sized for the code's Ω keeps their weights near 1 unless it is lowered.
+        scope: the tokens the extremes of ``|Ω|`` are taken over: ``"minibatch"`` (independent of
+            ``micro_batch_size``) or ``"micro_batch"`` (the code's per-device micro-batch).
 
     Example::
 
@@ -64,7 +75,7 @@ class STEER(Intervention):
     metric_prefix = "steer"
 
     def __init__(self, mode: WeightMode = "exp", w_min: float = 0.8, w_max: float = 1.2, omega: OmegaMode = "code",
-                 omega_floor: float = 0.02) -> None:
+                 omega_floor: float = 0.02, scope: StatisticsScope = "minibatch") -> None:
         if mode not in ("exp", "linear"):
             raise ValueError(f"STEER: mode must be 'exp' or 'linear', got {mode!r}")
         if omega not in ("code", "onlyza", "exact"):
@@ -75,22 +86,28 @@ class STEER(Intervention):
             raise ValueError(f"STEER: linear mode needs 0 <= w_min <= w_max, got [{w_min}, {w_max}]")
         if omega_floor <= 0:
             raise ValueError(f"STEER: omega_floor must be > 0, got {omega_floor}")
+        check_scope("STEER", scope)
+        self.scope = scope
         self.mode, self.w_min, self.w_max = mode, float(w_min), float(w_max)
         self.omega, self.omega_floor = omega, float(omega_floor)
         # The exact estimate needs S̄ of the current policy, from the training forward pass.
-        self.needs = Needs(flow_stats=omega == "exact")
+        self.needs = Needs(flow_stats=omega == "exact", minibatch_stats=scope == "minibatch")
 
     @property
     @override
     def state_key(self) -> str:
         return self._state_key(mode=self.mode, w_min=self.w_min, w_max=self.w_max, omega=self.omega,
-                               omega_floor=self.omega_floor)
+                               omega_floor=self.omega_floor, **scope_key(self.scope))
 
     @override
     def token_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor:
-        omega = steer_omega(self.omega, ctx.advantages, ctx.logprobs, ctx.old_logprobs, ctx.old_entropy,
-                            ctx.entropy, ctx.sbar)
-        magnitude, valid = omega.abs(), ctx.valid
+        view, rows = ctx.statistics_view(self.scope)
+        return view.once(self, lambda: self._weights(view, ctx))[rows]
+
+    def _weights(self, view: MinibatchView, ctx: MicroBatchContext) -> Tensor:
+        omega = steer_omega(self.omega, view.advantages, view.logprobs, view.old_logprobs, view.old_entropy,
+                            view.entropy, view.sbar)
+        magnitude, valid = omega.abs(), view.valid
         # Extremes over the valid tokens of every rank (±inf where a rank has none: neutral for max).
         highest = all_max(torch.where(valid, magnitude, -torch.inf).amax() if valid.any()
                           else magnitude.new_tensor(-torch.inf))
@@ -99,15 +116,15 @@ class STEER(Intervention):
             lowest = -all_max(-(torch.where(valid, magnitude, torch.inf).amin() if valid.any()
                                 else magnitude.new_tensor(torch.inf)))
         if not torch.isfinite(highest):  # no valid token anywhere: nothing to weigh
-            return torch.ones_like(ctx.mask)
+            return torch.ones_like(view.mask)
         weights = steer_weights(magnitude, lowest, highest, self.mode, self.w_min, self.w_max, self.omega_floor)
         weights = torch.where(valid, weights, torch.zeros_like(weights))
-        self._log(ctx, weights, highest)
+        self._log(view, ctx, weights, highest)
         return weights
 
-    def _log(self, ctx: MicroBatchContext, weights: Tensor, highest: Tensor) -> None:
-        valid = ctx.valid
-        out = ctx.policy_loss
+    def _log(self, view: MinibatchView, ctx: MicroBatchContext, weights: Tensor, highest: Tensor) -> None:
+        valid = view.valid
+        out = view.policy_loss
         sums = all_sum(torch.stack([weights[valid].sum(), valid.sum().float(),
                                     (out.clipped_high & valid).sum().float(), (out.clipped_low & valid).sum().float()]))
         extremes = all_max(torch.stack([weights[valid].amax() if valid.any() else weights.new_tensor(-torch.inf),

@@ -1,12 +1,13 @@
 """TopEntropyTokens: policy gradient only through the highest-entropy ("forking") tokens.
 
 Wang et al., "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RLVR"
-(arXiv 2506.01939; code ``get_global_entropy_top_mask``). Among the valid tokens of the micro-batch
-(on all ranks), keep the ``k = max(1, ⌈ρ · N⌉)`` with the largest current-policy entropy (ties: the
-earlier token) and zero the pg loss elsewhere. The reference aggregates over the *selected* tokens,
+(arXiv 2506.01939; code ``get_global_entropy_top_mask``). Among the valid tokens of the minibatch (on all ranks;
+``scope="micro_batch"``: of each micro-batch, as the reference code's per-device batches), keep the
+``k = max(1, ⌈ρ · N⌉)`` with the largest current-policy entropy (ties: the earlier token) and zero the pg loss
+elsewhere. The reference aggregates over the *selected* tokens,
 ``agg(L, mask · top_mask)`` (token-mean: divided by the number selected, a per-token scale ~1/ρ).
-With ``renormalize=True`` (default) the kept tokens are weighted by ``N / k`` so the module's normaliser
-gives exactly that when micro-batch = minibatch; ``False`` keeps the all-token denominator.
+With ``renormalize=True`` (default) the kept tokens are weighted by ``N / k`` so the module's token-mean normaliser
+gives exactly that; ``False`` keeps the all-token denominator.
 Only the policy-gradient term is masked (KL and entropy terms are not, as in the reference).
 """
 
@@ -18,7 +19,15 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_rlvr.algorithms.selection import top_fraction_mask
-from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext
+from lightning_rlvr.callbacks.base import (
+    Intervention,
+    MicroBatchContext,
+    MinibatchView,
+    Needs,
+    StatisticsScope,
+    check_scope,
+    scope_key,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -32,6 +41,7 @@ class TopEntropyTokens(Intervention):
     Args:
         ratio: ρ, the kept fraction of valid tokens (paper 0.2).
         renormalize: weight kept tokens by ``N / k`` (the reference's denominator: the selected tokens).
+        scope: the tokens ranked: ``"minibatch"`` (independent of ``micro_batch_size``) or ``"micro_batch"``.
 
     Example::
 
@@ -42,23 +52,30 @@ class TopEntropyTokens(Intervention):
 
     metric_prefix = "top_entropy"
 
-    def __init__(self, ratio: float = 0.2, renormalize: bool = True) -> None:
+    def __init__(self, ratio: float = 0.2, renormalize: bool = True, scope: StatisticsScope = "minibatch") -> None:
         if not 0 < ratio <= 1:
             raise ValueError(f"TopEntropyTokens: ratio must be in (0, 1], got {ratio}")
+        check_scope("TopEntropyTokens", scope)
+        self.scope = scope
+        self.needs = Needs(minibatch_stats=scope == "minibatch")
         self.ratio = float(ratio)
         self.renormalize = bool(renormalize)
 
     @property
     @override
     def state_key(self) -> str:
-        return self._state_key(ratio=self.ratio, renormalize=self.renormalize)
+        return self._state_key(ratio=self.ratio, renormalize=self.renormalize, **scope_key(self.scope))
 
     @override
     def token_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor:
-        entropy, offset = ctx.gather_valid(ctx.entropy)
+        view, rows = ctx.statistics_view(self.scope)
+        return view.once(self, lambda: self._weights(view, ctx))[rows]
+
+    def _weights(self, view: MinibatchView, ctx: MicroBatchContext) -> Tensor:
+        entropy, offset = view.gather_valid(view.entropy)
         selected = top_fraction_mask(entropy, self.ratio)
         n_selected, n_valid = int(selected.sum().item()), entropy.numel()
-        weights = ctx.scatter_valid(selected, offset).to(ctx.mask.dtype)
+        weights = view.scatter_valid(selected, offset).to(view.mask.dtype)
         if self.renormalize and n_selected:
             weights = weights * (n_valid / n_selected)
         if n_selected:

@@ -112,3 +112,10 @@ def test_unknown_kl_estimator_raises_value_error(estimator):
     lp, ref = _inputs(0)
     with pytest.raises(ValueError):
         kl_penalty(lp, ref, estimator)  # type: ignore[arg-type]
+
+
+def test_k3_keeps_its_value_for_a_policy_one_small_step_from_the_reference():
+    """In float32, e^{-x} + x - 1 computed literally cancels to 0 below |x| ~ 5e-4; the estimator must not."""
+    x = torch.tensor([1e-5, -3e-5, 1e-4, 4e-4, -1e-3])
+    expected = (torch.exp(-x.double()) + x.double() - 1).float()  # float64 has no cancellation here
+    torch.testing.assert_close(kl_penalty(x, torch.zeros_like(x), "k3"), expected, rtol=1e-4, atol=0)

@@ -35,6 +35,14 @@ def step_context(rewards, mask, advantages=None, group_ids=None, old_logprobs=No
                        old_entropy=old_entropy)
 
 
+class WholeMinibatchContext(MicroBatchContext):
+    """A micro-batch that is its whole minibatch, as the module builds it when it does not split a minibatch: its
+    statistics view is built from its own fields when first asked (so a test may set them after construction)."""
+
+    def statistics_view(self, scope="minibatch"):
+        return super().statistics_view("micro_batch")
+
+
 def micro_context(step: StepContext, logprobs, old_logprobs=None, entropy=None, clip_low=0.2, clip_high=0.2,
                   index=None, mode="token-mean", normalizer=None, old_entropy=None, sbar=None) -> MicroBatchContext:
     """A micro-batch context over rows ``index`` (default: all) of ``step`` (default normaliser: these rows')."""
@@ -45,9 +53,10 @@ def micro_context(step: StepContext, logprobs, old_logprobs=None, entropy=None, 
     advantages = step.advantages[index]
     out = ppo_clip_loss(logprobs, old, advantages, clip_low, clip_high)
     entropy = torch.zeros_like(mask) if entropy is None else entropy
-    return MicroBatchContext(
+    ctx = WholeMinibatchContext(
         step=step, index=index, mask=mask, advantages=advantages, logprobs=logprobs, old_logprobs=old,
         entropy=entropy, ref_logprobs=None, policy_loss=out, weights=torch.ones_like(mask),
         aggregate=functools.partial(aggregate_loss, mask=mask, mode=mode, normalizer=normalizer),
         old_entropy=entropy if old_entropy is None else old_entropy, sbar=sbar,
     )
+    return ctx

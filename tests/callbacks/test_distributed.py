@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,6 +14,8 @@ from lightning_rlvr.distributed import all_max, all_sum, gather_cat
 from lightning_rlvr.metrics.entropy_analysis import BucketedMean, position_buckets, rank_buckets
 
 from .helpers import micro_context, step_context
+
+pytestmark = pytest.mark.slow  # multi-process runs (deselect with -m "not slow")
 
 
 def case():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,6 +14,8 @@ from lightning_rlvr.distributed import all_sum
 from lightning_rlvr.metrics.rcea import CovarianceTailConcentration, PairedEntropyRatio, StratifiedEntropy
 
 from .helpers import micro_context, step_context
+
+pytestmark = pytest.mark.slow  # multi-process runs (deselect with -m "not slow")
 
 ROWS, WIDTH = 8, 6
 GROUPS = [0, 0, 1, 1, 2, 2, 3, 3]  # a group never straddles ranks (the module shards whole groups)

@@ -95,7 +95,7 @@ def test_anchor_is_the_mean_selected_entropy_of_the_first_k_steps_and_no_penalty
 
 
 def test_arguments_and_needs():
-    assert PAEC().needs == Needs(entropy_grad=True, nucleus_top_p=0.9)
+    assert PAEC().needs == Needs(entropy_grad=True, nucleus_top_p=0.9, minibatch_stats=True)
     assert PAEC(mask="none").needs.nucleus_top_p is None
     with pytest.raises(ValueError, match="different top_p"):
         _ = PAEC(top_p=0.9).needs | PAEC(top_p=0.5).needs

@@ -110,8 +110,8 @@ def test_parquet_missing_column_names_file_row_and_field(tmp_path):
 
 
 def test_parquet_null_field_names_the_row(tmp_path):
-    # BUG pin: a parquet row cannot lack a column, its missing value is a null; load_problems turns it into
-    # the reference answer "None" (str(None)) instead of reporting the row (same for a JSON null).
+    # Regression: a parquet row cannot lack a column, its missing value is a null, which load_problems once turned
+    # into the reference answer "None" (str(None)) instead of reporting the row (same for a JSON null).
     path = _write_parquet(tmp_path / "d.parquet", {"prompt": ["a", "b", "c"], "answer": ["1", None, "3"]})
     with pytest.raises(ValueError) as info:
         load_problems(path)

@@ -276,9 +276,9 @@ def test_entropy_gradient_matches_central_finite_differences_on_float64_input():
 def test_minus_inf_logits_give_finite_entropy_and_logprob_gradient():
     """Masked vocabulary entries (logit −inf) have p = 0 and must not poison the row.
 
-    Categorical and autograd through log_softmax both handle this; the chunked kernel computes
-    ``p·u = 0·(−inf) = nan`` for the entropy, and its backward multiplies the (zero) entropy
-    upstream gradient by ``log p + H = −inf`` / nan, so even the log-prob gradient becomes nan.
+    Categorical and autograd through log_softmax both handle this. Regression: the chunked kernel once computed
+    ``p·u = 0·(−inf) = nan`` for the entropy, and its backward multiplied the (zero) entropy upstream gradient by
+    ``log p + H = −inf`` / nan, so even the log-prob gradient became nan.
     """
     logits = torch.tensor([[0.0, 1.0, -0.5, float("-inf")]])
     labels = torch.tensor([1])

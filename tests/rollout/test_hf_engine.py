@@ -79,9 +79,11 @@ def test_rows_are_padded_after_eos_and_grouped_by_prompt(policy):
     eos, pad = policy.generation_config.eos_token_id, policy.generation_config.pad_token_id
     assert out.completion_ids.shape[0] == out.prompt_ids.shape[0] == 15
     assert torch.equal(out.prompt_ids[:5], out.prompt_ids[0].expand(5, -1))
-    for row in out.completion_ids.tolist():
-        if eos in row:
-            assert set(row[row.index(eos) + 1:]) <= {pad}
+    ended = [row for row in out.completion_ids.tolist() if eos in row]
+    assert 0 < len(ended) < 15  # rows that ended and rows that ran to the limit: both cases are checked
+    for row in ended:
+        assert set(row[row.index(eos) + 1:]) <= {pad}
+    assert out.stopped.tolist() == [eos in row for row in out.completion_ids.tolist()]
 
 
 def test_the_prefill_encodes_each_prompt_once(tiny_model_dir):

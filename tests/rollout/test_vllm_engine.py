@@ -258,6 +258,7 @@ def quiet_trainer(max_steps: int, logger, **kwargs):
     return pl.Trainer(**{**settings, **kwargs})
 
 
+@pytest.mark.slow
 def test_two_ranks_started_by_lightnings_launcher_build_vllm_with_their_rank(tiny_model_dir, tmp_path):
     """Lightning's launcher sets LOCAL_RANK and WORLD_SIZE, never RANK, which vLLM's external_launcher reads."""
     import json

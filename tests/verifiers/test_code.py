@@ -183,13 +183,13 @@ def test_code_datasets_keep_structured_tests_as_json(tmp_path):
 def test_infinite_loop_is_stopped_by_the_cpu_limit(run):
     result = run("while True:\n    pass\n", cpu_time_s=1.0)
     assert result["status"] == "cpu_time_limit"
-    assert result["wall"] < 5.0
+    assert result["wall"] < 15.0  # bounded (the loop is endless); wide: a loaded 2-core machine starts slowly
 
 
 def test_sleeping_forever_is_stopped_by_the_wall_clock(run):
     result = run("import time\nwhile True:\n    time.sleep(1)\n", test_timeout_s=1.0)
     assert result["status"] == "wall_time_limit"
-    assert result["wall"] < 4.0
+    assert result["wall"] < 15.0  # bounded (the program sleeps forever)
 
 
 def test_fork_bomb_is_stopped_at_the_process_limit(run):
@@ -213,7 +213,7 @@ def test_100_mb_of_output_is_cut_at_the_output_cap(run):
     program = "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(100):\n    sys.stdout.write(chunk)\n"
     result = run(program, max_output_kb=256)
     assert result["status"] == "output_limit"
-    assert result["wall"] < 5.0
+    assert result["wall"] < 15.0
 
 
 def test_network_is_unreachable_even_on_the_hosts_loopback(run):
@@ -315,4 +315,4 @@ def test_a_launcher_that_never_reports_is_killed_and_reported(tmp_path, monkeypa
     started = time.monotonic()
     with pytest.raises(SandboxError, match="did not report back"):
         run_tests("print(1)", [{"kind": "stdio", "input": "", "output": "1"}], test_timeout_s=0.5)
-    assert time.monotonic() - started < 5.0
+    assert time.monotonic() - started < 30.0  # the launcher sleeps 60 s

@@ -59,8 +59,8 @@ def test_last_number_absent_returns_none():
 
 
 def test_last_number_does_not_include_a_trailing_comma():
-    # BUG pin: the number regex ``-?\d[\d,]*`` also swallows a comma that ends the clause ("12, so ..."),
-    # so the "last number" returned is "12," — not a number.
+    # Regression: a number regex ``-?\d[\d,]*`` swallowed a comma that ends the clause ("12, so ...") and
+    # returned "12," — not a number.
     assert extract_answer("the answer is 12, so we are done", "last_number") == "12"
 
 
@@ -80,8 +80,8 @@ def test_auto_unbalanced_boxed_falls_back():
 
 
 def test_auto_empty_hash_falls_back_to_last_number():
-    # BUG pin: the module docstring says auto is "the first of boxed -> hash -> last number that finds
-    # something"; an empty "####" finds nothing, yet auto returns None instead of trying last_number.
+    # Regression: auto is "the first of boxed -> hash -> last number that finds something"; an empty "####"
+    # finds nothing, and auto once returned None there instead of trying last_number.
     assert extract_answer("the answer is 42 ####", "auto") == "42"
 
 

@@ -77,6 +77,7 @@ def test_math_verifier_scores_each_pair_by_its_known_equivalence(completion, ref
     assert MathVerifier().score(completion, reference) == float(equal)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_an_input_that_hangs_the_parser_scores_zero_within_the_time_limit():
     # sympy evaluates 9^(9^(9^9)) exactly, in C where the worker's timer cannot interrupt it: more than 20 s
@@ -89,7 +90,7 @@ def test_an_input_that_hangs_the_parser_scores_zero_within_the_time_limit():
         rewards, errors = runner.score_batch([hang], ["1"])
         elapsed = time.perf_counter() - start
         assert (rewards, errors) == ([0.0], 1)
-        assert elapsed < 2.0 + _KILL_GRACE_S + 2.0  # the limit and the grace, plus a margin for a loaded machine
+        assert elapsed < 2.0 + _KILL_GRACE_S + 8.0  # the limit and the grace, plus a margin for a loaded machine
         # A call queued behind a hung one is not lost: it is scored in a fresh worker.
         assert runner.score_batch([hang, r"\boxed{\frac{1}{2}}"], ["1", "0.5"]) == ([0.0, 1.0], 1)
     finally:
