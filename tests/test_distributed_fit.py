@@ -165,11 +165,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn_two(worker_fn, *args, attempts: int = 3) -> None:
+    """``mp.spawn`` two ranks on a free port, again on another one if the port was taken in between.
+
+    ``free_port`` releases the port it found before rank 0's store binds it; another process may take it meanwhile
+    (a time-of-check/time-of-use race), which shows up as "address already in use".
+    """
+    for attempt in range(attempts):
+        try:
+            mp.spawn(worker_fn, args=(free_port(), *args), nprocs=2, join=True)
+            return
+        except mp.ProcessRaisedException as err:
+            if "address already in use" not in str(err).lower() or attempt == attempts - 1:
+                raise
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_process_fit_equals_one_process_with_the_global_batch(strategy, tiny_model_dir, tmp_path):
     logger = InMemoryLogger()
     single = fit(tiny_model_dir, 1, logger=logger)
-    mp.spawn(worker, args=(free_port(), tiny_model_dir, str(tmp_path), strategy), nprocs=2, join=True)
+    spawn_two(worker, tiny_model_dir, str(tmp_path), strategy)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]  # our own files
     initial = RLVRModule(model=tiny_model_dir)
     initial.configure_model()
@@ -203,8 +218,7 @@ def checkpoint_worker(rank: int, port: int, model_dir: str, out_dir: str, distri
 @pytest.mark.parametrize("distributed", [False, True], ids=["single_file", "distributed"])
 def test_fsdp_checkpoint_has_no_reference_and_resumes_exactly(distributed, tiny_model_dir, tmp_path):
     for resume in (False, True):
-        mp.spawn(checkpoint_worker, args=(free_port(), tiny_model_dir, str(tmp_path), distributed, resume), nprocs=2,
-                 join=True)
+        spawn_two(checkpoint_worker, tiny_model_dir, str(tmp_path), distributed, resume)
     checkpoint = tmp_path / "full" / "epoch=0-step=2.ckpt"
     if distributed:  # a folder: one shard file per rank + Lightning's metadata
         from torch.distributed.checkpoint import FileSystemReader
@@ -333,8 +347,7 @@ def resume_worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_multi_rank_resume_continues_the_epoch_exactly(strategy, tiny_model_dir, tmp_path):
     for resume in (False, True):
-        mp.spawn(resume_worker, args=(free_port(), tiny_model_dir, str(tmp_path), strategy, resume), nprocs=2,
-                 join=True)
+        spawn_two(resume_worker, tiny_model_dir, str(tmp_path), strategy, resume)
     full = [torch.load(tmp_path / f"full{rank}.pt", weights_only=False) for rank in range(2)]  # our own files
     resumed = [torch.load(tmp_path / f"resumed{rank}.pt", weights_only=False) for rank in range(2)]
     assert not set(sum(full[0]["seen"], [])) & set(sum(full[1]["seen"], []))  # disjoint rank shards
