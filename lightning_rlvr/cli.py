@@ -6,6 +6,7 @@ Usage::
     lightning_rlvr fit --config configs/quickstart.yaml --trainer.max_steps 100 --model.learning_rate 1e-4
     lightning_rlvr fit --config configs/quickstart.yaml --print_config
     lightning_rlvr validate --config configs/quickstart.yaml --ckpt_path path/to/last.ckpt
+    lightning_rlvr export --ckpt_path path/to/last.ckpt --output exported/ [--merged]
 
 Every constructor argument of the module, the DataModule and the Trainer is a config key; an unknown key
 fails with its name. Defaults set here: ``log_every_n_steps=1`` (RL curves are per step) and an MLflow
@@ -16,6 +17,7 @@ otherwise fall back to). The resolved config is logged to the MLflow run as ``co
 from __future__ import annotations
 
 import os
+import sys
 
 from lightning.pytorch.cli import ArgsType, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import MLFlowLogger
@@ -85,8 +87,16 @@ def build_cli(args: ArgsType = None, run: bool = True) -> RLVRCLI:
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning_rlvr`` console script (``args`` for tests and notebooks).
 
-    Returns ``None`` on purpose: a console script passes the return value to ``sys.exit``.
+    ``lightning_rlvr export --ckpt_path ... --output ...`` writes a checkpoint's policy as a PEFT adapter or a plain
+    model (:mod:`lightning_rlvr.export`); every other subcommand is Lightning's. Returns ``None`` on purpose: a
+    console script passes the return value to ``sys.exit``.
     """
+    arguments = list(sys.argv[1:] if args is None else args)
+    if arguments[:1] == ["export"]:
+        from lightning_rlvr.export import main as export
+
+        export(arguments[1:])
+        return
     build_cli(args)
 
 

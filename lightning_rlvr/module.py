@@ -62,6 +62,8 @@ from lightning_rlvr.callbacks.base import (
     detached,
 )
 from lightning_rlvr.data.batch import RolloutBatch
+from lightning_rlvr.lora import LoRA, attach_lora, is_lora, merge_adapter_state
+from lightning_rlvr.lora import as_dict as lora_settings
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
 from lightning_rlvr.models.tiny_chat import CHAT_MODEL_SHAPE, build_tiny_chat_model
 from lightning_rlvr.ops import TokenStats, nucleus_entropy_and_gap, token_logprobs_and_entropy
@@ -119,9 +121,14 @@ def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer.state[p]["step"].zero_()
 
 
-def _drop_reference_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    for key in [k for k in state_dict if k.startswith(f"{prefix}ref_model.")]:
-        del state_dict[key]
+def _drop_rebuilt_weights(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """Leave out of every state dict what ``model`` rebuilds: the frozen reference, and a LoRA policy's base weights
+    (the adapter, and any warm start merged into the base, are what a checkpoint holds)."""
+    lora = is_lora(getattr(module, "policy", None))
+    for key in list(state_dict):
+        if key.startswith(f"{prefix}ref_model.") or (
+                lora and key.startswith(f"{prefix}policy.") and ".lora_" not in key and ".modules_to_save." not in key):
+            del state_dict[key]
 
 
 def _load_generation_config(path: str, trust_remote_code: bool):
@@ -196,6 +203,10 @@ class RLVRModule(pl.LightningModule):
             ``[1/C, C]``), ``"sequence_truncate"`` or ``"sequence_mask"`` (the same with each response's ratio, the
             product of its tokens'); logged as ``policy/tis_clipfrac`` (truncate) or ``policy/mis_maskfrac`` (mask),
             the share of tokens capped or dropped.
+        lora: train a LoRA adapter instead of the full weights (:class:`~lightning_rlvr.lora.LoRA`, or its fields as a
+            dict; needs ``peft``): only the adapter reaches the optimizer, the reference of a KL term or of
+            ``Needs(ref_logprobs=True)`` is the policy with its adapter off (no second model is loaded), checkpoints
+            hold the adapter, and vLLM receives merged weights.
     """
 
     def __init__(
@@ -226,17 +237,19 @@ class RLVRModule(pl.LightningModule):
         trust_remote_code: bool = False,
         engine_is_cap: float | None = None,
         engine_is_mode: EngineISMode = "token_truncate",
+        lora: LoRA | dict | None = None,
     ) -> None:
         super().__init__()
         self._validate(locals())
         if isinstance(tiny_model, TinyModelConfig):
             tiny_model = dataclasses.asdict(tiny_model)  # plain data: checkpoints load with weights_only=True
+        lora = lora_settings(lora)  # validated, and plain data for the same reason
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.strict_loading = False  # the frozen reference model is not in checkpoints
         # Rebuilt from `model` on load, never saved: dropped from every state dict of the module, so no strategy's
         # checkpoint (DDP, FSDP2 full or distributed, DeepSpeed) gathers or writes it, nor expects it on load.
-        self.register_state_dict_post_hook(_drop_reference_weights)
+        self.register_state_dict_post_hook(_drop_rebuilt_weights)
         self._tmpdir: tempfile.TemporaryDirectory | None = None
         if model in _BUILTIN_BUILDERS:
             self._tmpdir = tempfile.TemporaryDirectory(prefix="lightning_rlvr_tiny_")
@@ -255,6 +268,8 @@ class RLVRModule(pl.LightningModule):
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
         self.policy_version = 0
+        # LoRA adapters merged into the base weights (a warm start's), re-merged when a checkpoint is loaded
+        self.merged_adapters: list[dict[str, Tensor]] = []
         self._fused_path_checked = False
         self.val_accuracy = MeanMetric()
         self.val_pass_at_k = MeanMetric()
@@ -347,7 +362,10 @@ class RLVRModule(pl.LightningModule):
                              f"{type(self.policy).__name__} has {type(self.policy.get_output_embeddings()).__name__}")
         if self.policy.generation_config.pad_token_id is None:
             self.policy.generation_config.pad_token_id = self.tokenizer.pad_token_id
-        if self.hparams.kl_coef > 0 or self.needs().ref_logprobs:
+        if self.hparams.lora is not None:
+            self.policy = attach_lora(self.policy, LoRA(**self.hparams.lora)).train()
+        elif self.hparams.kl_coef > 0 or self.needs().ref_logprobs:
+            # A LoRA policy's reference is itself with the adapter off: only full fine-tuning loads a second model.
             self.ref_model = self._load().requires_grad_(False).eval()
         del hf_deepspeed_config  # transformers holds it by weak reference: alive exactly while the models load
         if isinstance(strategy, ModelParallelStrategy):
@@ -375,9 +393,29 @@ class RLVRModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["policy_version"] = self.policy_version
+        if self.merged_adapters:
+            checkpoint["merged_adapters"] = self.merged_adapters
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.policy_version = int(checkpoint.get("policy_version", 0))
+        # Before the state dict loads: a LoRA checkpoint holds the adapter, and the adapters merged into the base
+        # weights (a warm start's) are merged into the freshly loaded base again.
+        for state in checkpoint.get("merged_adapters", []):
+            merge_adapter_state(self.policy, state)
+            self.merged_adapters.append(state)
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether reference log-probs can be computed: a loaded reference model, or a LoRA policy's adapter off."""
+        return self.ref_model is not None or is_lora(self.policy)
+
+    def reference_logprobs(self, batch: RolloutBatch) -> Tensor:
+        """Log-probs of ``batch``'s completions under the reference: the frozen reference model, or for a LoRA policy
+        the policy with its adapter switched off (the base weights), no grad."""
+        if is_lora(self.policy):
+            with self.policy.disable_adapter():
+                return self._no_grad_stats(self.policy, batch).logprobs
+        return self._no_grad_stats(self.ref_model, batch).logprobs
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -575,7 +613,7 @@ class RLVRModule(pl.LightningModule):
                else self._behaviour_stats(rollout, with_sbar=needs.flow_stats))
         ref_logprobs = None
         if hp.kl_coef > 0 or needs.ref_logprobs:
-            ref_logprobs = self._no_grad_stats(self.ref_model, rollout).logprobs
+            ref_logprobs = self.reference_logprobs(rollout)
         ctx = StepContext(
             batch=rollout, mask=mask, advantages=self.advantages(rollout).unsqueeze(-1).expand_as(mask).contiguous(),
             old_logprobs=None if old is None else old.logprobs, old_entropy=None if old is None else old.entropy,

@@ -22,6 +22,12 @@ from ``model`` on load), so after a resume the warm start is replayed *on the re
 seed, inside a forked RNG (the training run's random streams are untouched); a fingerprint of the reference
 stored in the checkpoint checks the replay (bitwise on CPU; on GPU non-deterministic kernels may differ
 slightly, which is reported as a warning).
+
+**LoRA policies** (``RLVRModule(lora=...)``) have no reference model: their reference is the policy with its
+adapter switched off. The warm start trains the adapter. With ``reset_reference=True`` it is then merged into the
+base weights and RL starts a fresh adapter, so the reference (adapter off) is the warmed-up policy, as above; the
+module keeps the merged adapter and merges it again when a checkpoint is loaded (no replay). With
+``reset_reference=False`` RL continues the warm-start adapter and the reference stays the checkpoint before it.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_rlvr.sharding import is_dtensor
+from lightning_rlvr.lora import adapter_state, is_lora, merge_adapter_state, reset_adapter
+from lightning_rlvr.sharding import is_dtensor, is_sharded
 
 __all__ = ["SupervisedWarmStart"]
 
@@ -100,21 +107,35 @@ class SupervisedWarmStart(Callback):
             # partitions and steps only its own optimizer.
             raise ValueError("SupervisedWarmStart does not run under DeepSpeedStrategy: warm-start the model "
                              "beforehand (e.g. one process, or DDP/FSDP) and train from that checkpoint")
+        policy = pl_module.policy
+        merge_into_base = is_lora(policy) and self.reset_reference
+        if merge_into_base and is_sharded(policy):
+            raise ValueError("SupervisedWarmStart(reset_reference=True) merges a LoRA policy's warm-start adapter into "
+                             "its base weights, which are sharded here: warm-start without sharding, or pass "
+                             "reset_reference=False (the adapter keeps the warm start; the reference: the checkpoint)")
         reference = getattr(pl_module, "ref_model", None) if self.reset_reference else None
-        if self.completed:
+        if self.completed:  # a LoRA policy's merged warm start came back with the checkpoint (RLVRModule)
             if reference is not None:
                 self._replay_on_reference(trainer, pl_module, reference)
             return
         problems = self._problems(trainer)
-        self.final_loss = self.fit(pl_module.policy, pl_module.tokenizer, problems, trainer.datamodule.prompt_ids,
+        self.final_loss = self.fit(policy, pl_module.tokenizer, problems, trainer.datamodule.prompt_ids,
                                    trainer.datamodule.end_token_id)
         pl_module.policy_version += 1  # weights changed: engines with their own copy must resync
         if reference is not None:
-            reference.load_state_dict(pl_module.policy.state_dict())
+            reference.load_state_dict(policy.state_dict())
             self.reference_fingerprint = fingerprint(reference)
+        if merge_into_base:
+            # The warmed-up policy becomes the base (the reference, adapter off) and RL trains a fresh adapter; the
+            # adapter merged is kept by the module and merged again when a checkpoint is loaded.
+            state = adapter_state(policy)
+            merge_adapter_state(policy, state)
+            reset_adapter(policy, pl_module.hparams.lora["seed"])
+            pl_module.merged_adapters.append(state)
         self.completed = True
+        becomes = "; reference = warmed-up policy" if reference is not None or merge_into_base else ""
         rank_zero_info(f"SupervisedWarmStart: {self.steps} steps on {len(problems)} problems, "
-                       f"final loss {self.final_loss:.3f}" + ("; reference = warmed-up policy" if reference else ""))
+                       f"final loss {self.final_loss:.3f}{becomes}")
 
     @staticmethod
     def _problems(trainer: "pl.Trainer") -> list:

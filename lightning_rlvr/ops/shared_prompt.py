@@ -46,8 +46,10 @@ def prompt_groups(prompt_ids: Tensor, prompt_mask: Tensor) -> tuple[Tensor, Tens
 
 
 def cache_keyword(module: nn.Module) -> str:
-    """The keyword of ``module.forward``'s KV cache (transformers renamed ``past_key_values`` to ``cache``)."""
-    return _cache_keyword_of(type(module))
+    """The keyword of ``module.forward``'s KV cache (transformers renamed ``past_key_values`` to ``cache``); for a
+    ``peft`` model, its base model's (the wrapper passes keywords through)."""
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return _cache_keyword_of(type(base))
 
 
 @functools.cache

@@ -225,10 +225,11 @@ class HFEngine(RolloutEngine):
         # A configuration of our own in place of the model's for this call: generate merges the model's defaults
         # into any configuration passed, and its extra processors (a repetition penalty) would draw from another
         # distribution than the one the trainer scores, and differently from _decode.
-        own_config, policy.generation_config = policy.generation_config, GenerationConfig(**settings)
+        model = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # a peft model generates
+        own_config, model.generation_config = model.generation_config, GenerationConfig(**settings)  # with its base's
         try:
             sequences = policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask, synced_gpus=synced)
         finally:
-            policy.generation_config = own_config
+            model.generation_config = own_config
         completion_ids, lengths, stopped = self.right_pad(sequences[:, prompt_ids.shape[1]:].tolist(), pad_id, stop_ids)
         return completion_ids.to(prompt_ids.device), lengths.to(prompt_ids.device), stopped.to(prompt_ids.device)

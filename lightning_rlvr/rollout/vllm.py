@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_rlvr.lora import is_lora, merged_weights
 from lightning_rlvr.rng import preserved_rng_state
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
 from lightning_rlvr.sharding import full_weights
@@ -214,7 +215,10 @@ class VLLMEngine(RolloutEngine):
 
     def _push_weights(self) -> None:
         model = self._model()
-        for bucket in full_weights(self.policy, bucket_bytes=self.weight_bucket_mb * 2**20):
+        size = self.weight_bucket_mb * 2**20
+        # A LoRA policy is pushed merged (W + scale·B·A) under its base model's names: vLLM serves a plain model.
+        buckets = merged_weights(self.policy, size) if is_lora(self.policy) else full_weights(self.policy, size)
+        for bucket in buckets:
             # Names as in a Hugging Face checkpoint (vLLM maps them onto its fused layers); `_orig_mod.` is what
             # torch.compile adds.
             model.load_weights([(name.replace("_orig_mod.", ""), tensor) for name, tensor in bucket])

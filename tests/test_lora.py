@@ -1,0 +1,199 @@
+"""LoRA policies (peft): only the adapter trains, the reference is the base (adapter off, no second model),
+checkpoints hold the adapter, a warm start can become the base, engines generate with the adapter."""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import AutoModelForCausalLM
+
+from lightning_rlvr import BuiltinTask, LoRA, RLVRModule, RolloutDataModule
+from lightning_rlvr.callbacks import SupervisedWarmStart
+from lightning_rlvr.loggers import InMemoryLogger
+from lightning_rlvr.lora import merged_weights
+from lightning_rlvr.verifiers import CallableVerifier
+from tests.conftest import ScriptedEngine
+from tests.reference_objective import completion_logprobs
+from tests.test_objective import SCRIPT, graded
+
+pytest.importorskip("peft")
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def data(**kwargs) -> RolloutDataModule:
+    """Scripted completions with graded rewards (tests/test_objective.py): every group is informative."""
+    settings = dict(source=BuiltinTask("reverse", num_digits=3, warm_start_fraction=0.2), engine=ScriptedEngine(SCRIPT),
+                    verifier=CallableVerifier(graded), prompts_per_step=4, group_size=4, max_new_tokens=4,
+                    val_samples=0, verifier_workers=1)
+    return RolloutDataModule(**{**settings, **kwargs})
+
+
+def trainer(steps: int, logger=None, callbacks=(), **kwargs) -> pl.Trainer:
+    settings = dict(accelerator="cpu", max_steps=steps, logger=logger or False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                    num_sanity_val_steps=0, log_every_n_steps=1, callbacks=list(callbacks))
+    return pl.Trainer(**{**settings, **kwargs})
+
+
+class LastRollout(pl.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        original = trainer.datamodule.rollout
+
+        def rollout(problems):
+            self.batch = original(problems)
+            return self.batch
+
+        trainer.datamodule.rollout = rollout
+
+
+def base_logprobs(model_dir, batch) -> torch.Tensor:
+    """The checkpoint's own log-probs of a batch, without lightning_rlvr (tests/reference_objective.py)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        return completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_length,
+                                   batch.temperature)
+
+
+def test_only_the_adapter_trains_and_the_reference_is_the_base_model(tiny_model_dir):
+    pl.seed_everything(0)
+    module = RLVRModule(model=tiny_model_dir, learning_rate=1e-2, kl_coef=0.1, lora=LORA)
+    seen = LastRollout()
+    logger = InMemoryLogger()
+    fit = trainer(4, logger, callbacks=[seen])
+    fit.fit(module, data())
+    assert module.ref_model is None  # no second model: the reference is the adapter switched off
+    trainable = {name for name, p in module.policy.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    optimized = {id(p) for group in fit.optimizers[0].param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in module.policy.parameters() if p.requires_grad}
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for name, parameter in module.policy.get_base_model().named_parameters():
+        if ".lora_" not in name:  # the base weights never moved
+            original = name.replace(".base_layer", "")
+            torch.testing.assert_close(parameter, base.get_parameter(original), rtol=0, atol=0)
+    assert any(p.abs().sum() > 0 for n, p in module.policy.named_parameters() if ".lora_B." in n)
+    batch = seen.batch
+    torch.testing.assert_close(module.reference_logprobs(batch), base_logprobs(tiny_model_dir, batch),
+                               rtol=1e-5, atol=1e-5)
+    kl = logger.history["loss/kl"]
+    assert kl[0] == 0.0  # B = 0 at the start: the policy is its reference, exactly
+    assert kl[3] > 0
+
+
+def test_the_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model_dir, tmp_path):
+    def run(directory, seed, ckpt_path=None):
+        pl.seed_everything(seed)
+        logger = InMemoryLogger()
+        fit = trainer(12, logger, callbacks=[ModelCheckpoint(dirpath=directory, every_n_train_steps=6, save_top_k=-1)],
+                      enable_checkpointing=True)
+        fit.fit(RLVRModule(model=tiny_model_dir, learning_rate=1e-2, kl_coef=0.05, lora=LORA,
+                           minibatch_size=8), data(), ckpt_path=ckpt_path)
+        return logger.history
+
+    full = run(tmp_path / "full", 0)
+    checkpoint = tmp_path / "full" / "epoch=0-step=6.ckpt"  # after 3 of 6 rollouts (2 minibatches each)
+    state = torch.load(checkpoint, weights_only=True)
+    policy_keys = [k for k in state["state_dict"] if k.startswith("policy.")]
+    assert policy_keys and all(".lora_" in k for k in policy_keys)
+    assert not any(k.startswith("ref_model.") for k in state["state_dict"])
+    pl.seed_everything(0)
+    full_size = os.path.getsize(checkpoint)
+    resumed = run(tmp_path / "resumed", 123, ckpt_path=str(checkpoint))
+    for key in ("loss/pg", "loss/kl", "reward/mean", "policy/grad_norm"):
+        expected = {s: v for s, v in full[key].items() if s >= 3}
+        assert {s: repr(v) for s, v in resumed[key].items()} == {s: repr(v) for s, v in expected.items()}, key
+    # The same run with full fine-tuning: its checkpoint holds every weight (and their optimizer state).
+    pl.seed_everything(0)
+    fit = trainer(2, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ft", every_n_train_steps=2)],
+                  enable_checkpointing=True)
+    fit.fit(RLVRModule(model=tiny_model_dir, learning_rate=1e-2, minibatch_size=8), data())
+    assert full_size < 0.5 * os.path.getsize(tmp_path / "ft" / "epoch=0-step=2.ckpt")
+
+
+def test_a_warm_start_merged_into_the_base_is_the_reference_and_comes_back_with_the_checkpoint(tiny_model_dir,
+                                                                                                tmp_path):
+    pl.seed_everything(0)
+    logger = InMemoryLogger()
+    module = RLVRModule(model=tiny_model_dir, learning_rate=1e-2, kl_coef=0.1, lora=LORA)
+    seen = LastRollout()
+    fit = trainer(2, logger, callbacks=[SupervisedWarmStart(steps=30), seen,
+                                        ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)],
+                  enable_checkpointing=True)
+    fit.fit(module, data())
+    assert logger.history["loss/kl"][0] == 0.0  # the reference is the warmed-up policy (a fresh adapter on it)
+    assert len(module.merged_adapters) == 1
+    batch = seen.batch
+    assert (module.reference_logprobs(batch) - base_logprobs(tiny_model_dir, batch)).abs().max() > 1e-2
+    # A new module loaded from the checkpoint merges the warm start into its base again: same reference, same policy.
+    restored = RLVRModule(model=tiny_model_dir, learning_rate=1e-2, kl_coef=0.1, lora=LORA)
+    restored.configure_model()
+    checkpoint = torch.load(tmp_path / "epoch=0-step=2.ckpt", weights_only=True)
+    restored.on_load_checkpoint(checkpoint)
+    restored.load_state_dict(checkpoint["state_dict"], strict=False)
+    torch.testing.assert_close(restored.reference_logprobs(batch), module.reference_logprobs(batch), rtol=0, atol=0)
+    torch.testing.assert_close(restored.token_stats(restored.policy, batch).logprobs,
+                               module.token_stats(module.policy, batch).logprobs, rtol=0, atol=0)
+
+
+def test_merged_weights_are_the_policy_as_a_plain_checkpoint(tiny_model_dir):
+    """What vLLM receives: a plain model with these weights computes the LoRA policy's log-probs."""
+    pl.seed_everything(0)
+    module = RLVRModule(model=tiny_model_dir, learning_rate=3e-2, lora=LORA)
+    seen = LastRollout()
+    trainer(3, callbacks=[seen]).fit(module, data())
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    names = {name for name, _ in plain.named_parameters()}
+    pushed = dict(item for bucket in merged_weights(module.policy, bucket_bytes=4096) for item in bucket)
+    assert set(pushed) == names  # the base model's own names, nothing of the adapter
+    plain.load_state_dict(pushed, strict=False)
+    batch = seen.batch
+    with torch.no_grad():
+        ours = module.token_stats(module.policy, batch).logprobs
+    theirs = completion_logprobs(plain, batch.input_ids, batch.attention_mask, batch.prompt_length,
+                                 batch.temperature)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (ours - base_logprobs(tiny_model_dir, batch)).abs().max() > 1e-2  # the adapter changed the policy
+
+
+def test_lora_settings_are_validated():
+    with pytest.raises(ValueError, match="rank"):
+        RLVRModule(model="builtin:tiny", lora={"rank": 0})
+    with pytest.raises(ValueError, match="target_modules"):
+        LoRA(target_modules="everything")
+    assert RLVRModule(model="builtin:tiny", lora=LoRA(rank=2)).hparams.lora["rank"] == 2
+
+
+def test_export_writes_a_peft_adapter_and_a_merged_model_that_reproduce_the_policy(tiny_model_dir, tmp_path):
+    """A warm start merged into the base and the RL adapter on top: both exports reproduce the policy exactly."""
+    from peft import PeftModel
+
+    from lightning_rlvr.cli import main
+
+    pl.seed_everything(0)
+    module = RLVRModule(model=tiny_model_dir, learning_rate=2e-2, lora=LORA)
+    seen = LastRollout()
+    trainer(3, callbacks=[SupervisedWarmStart(steps=20), seen, ModelCheckpoint(dirpath=tmp_path / "ckpt")],
+            enable_checkpointing=True).fit(module, data())
+    assert len(module.merged_adapters) == 1
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
+    main(["export", "--ckpt_path", str(checkpoint), "--output", str(tmp_path / "out"), "--merged"])
+    batch = seen.batch
+    with torch.no_grad():
+        expected = module.token_stats(module.policy, batch).logprobs
+
+    def logprobs(model):
+        with torch.no_grad():
+            return completion_logprobs(model, batch.input_ids, batch.attention_mask, batch.prompt_length,
+                                       batch.temperature)
+
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                        str(tmp_path / "out" / "adapter"))
+    torch.testing.assert_close(logprobs(adapter), expected, rtol=1e-5, atol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+    torch.testing.assert_close(logprobs(merged), expected, rtol=1e-5, atol=1e-5)
+    assert (expected - base_logprobs(tiny_model_dir, batch)).abs().max() > 1e-2
