@@ -95,6 +95,14 @@ def attach_lora(model: nn.Module, lora: LoRA) -> nn.Module:
     The adapter is initialised under ``lora.seed`` in a forked RNG: the run's random streams are untouched.
     """
     peft = _peft()
+    tied = getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None
+    adapted = (["all-linear"] if isinstance(lora.target_modules, str) else list(lora.target_modules)) + list(
+        lora.modules_to_save or [])
+    if tied and any(name in ("lm_head", "embed_tokens") for name in adapted):
+        # The head *is* the embedding matrix: an adapter merged into one (vLLM's weights, a warm start, export) would
+        # change the other, and vLLM, which aliases them, would drop the head's name.
+        raise ValueError(f"LoRA: {type(model).__name__} ties its output head to its input embeddings; an adapter or "
+                         f"a trained copy of lm_head / embed_tokens cannot be merged into one without the other")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(lora.seed)
         if lora.adapter_path is not None:
@@ -129,10 +137,12 @@ def _delta(layer: nn.Module, lora_a: Tensor, lora_b: Tensor) -> Tensor:
     return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
 
 
-def merged_weights(model: nn.Module, bucket_bytes: int = 256 * 2**20) -> Iterator[list[tuple[str, Tensor]]]:
+def merged_weights(model: nn.Module, bucket_bytes: int = 256 * 2**20,
+                   with_adapter: bool = True) -> Iterator[list[tuple[str, Tensor]]]:
     """The policy as a plain checkpoint: each adapted weight merged (``W + scale·B·A``, computed out of place, so
     the trained weights never drift), adapter tensors left out, every name the base model's own
-    (``model.layers.0.self_attn.q_proj.weight``), in buckets of about ``bucket_bytes``.
+    (``model.layers.0.self_attn.q_proj.weight``), in buckets of about ``bucket_bytes``. ``with_adapter=False``:
+    the base weights alone (what an engine that applies the adapter itself needs).
 
     FSDP2 shards are gathered (a collective: every rank iterates to the end).
     """
@@ -148,7 +158,7 @@ def merged_weights(model: nn.Module, bucket_bytes: int = 256 * 2**20) -> Iterato
         if owner.endswith(".base_layer") and owner[: -len(".base_layer")] in layers:
             layer = layers[owner[: -len(".base_layer")]]
             tensor = _full(parameter).detach()
-            if leaf == "weight":
+            if leaf == "weight" and with_adapter:
                 delta = _delta(layer, _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight))
                 tensor = (tensor.float() + delta).to(tensor.dtype)
             name = f"{owner[: -len('.base_layer')]}.{leaf}"
@@ -187,6 +197,7 @@ def merge_adapter_state(model: nn.Module, state: dict[str, Tensor]) -> None:
         if f".modules_to_save.{ADAPTER}." in key:
             original = key.replace(f".modules_to_save.{ADAPTER}.", ".original_module.")
             parameters[original].copy_(value)
+    model.merged_adapter_count = getattr(model, "merged_adapter_count", 0) + 1  # engines re-send the base
 
 
 @torch.no_grad()

@@ -351,6 +351,11 @@ class RLVRModule(pl.LightningModule):
                 "tensor_parallel_size=1), as in configs/fsdp.yaml"
             )
         zero3 = isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3
+        if zero3 and self.hparams.lora is not None:
+            # Merging adapters (vLLM's weights, a warm start into the base, export) needs each base weight whole,
+            # which ZeRO-3 keeps only as partitions outside its own forward.
+            raise ValueError("RLVRModule: LoRA under DeepSpeed ZeRO-3 is not supported; use FSDP2 "
+                             "(ModelParallelStrategy, configs/fsdp.yaml) or ZeRO-2 to shard a LoRA run")
         if self.hparams.fused_logprobs and (isinstance(strategy, ModelParallelStrategy) or zero3):
             # The lm_head's weight would be a shard outside the root forward that gathers it.
             raise ValueError("RLVRModule: fused_logprobs=True needs an unsharded model (DDP or one device), not "

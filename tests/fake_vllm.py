@@ -25,7 +25,9 @@ What it enforces, as vLLM does (read from vLLM's source: ``engine/arg_utils.py``
 - its construction reseeds the process's global RNGs (``random``, numpy, torch) with ``seed``, as vLLM's worker
   does, and it samples from torch's global generator, as vLLM's sampler does for requests without their own seed;
 - it records the autograd / inference-mode / autocast / default-dtype context of every call (``contexts``), so
-  tests can check what the engine is called under (vLLM itself would not complain, it would misbehave).
+  tests can check what the engine is called under (vLLM itself would not complain, it would misbehave);
+- a ``lora_request`` needs ``enable_lora=True`` and an adapter of rank at most ``max_lora_rank``; it generates with
+  the adapter read from ``lora_path`` (a PEFT directory) applied to the weights it holds.
 
 It generates with a real copy of the model (``transformers``, float32, a full forward per token: an independent
 implementation, not HFEngine's loop), so a stale, partial or misnamed weight push changes what it samples and its
@@ -34,12 +36,14 @@ log-probs (``rollout/engine_kl > 0``). Every call is recorded in ``calls``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import random
 import sys
 import types
 import weakref
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -157,6 +161,8 @@ class FakeLLM:
         self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(
             driver_worker=types.SimpleNamespace(worker=worker)))
         self.last_outputs: list | None = None
+        self.lora_requests: list = []
+        self._adapters: dict = {}
 
     # -- weights -------------------------------------------------------------------------------------------
     @property
@@ -165,6 +171,7 @@ class FakeLLM:
 
     def _load_weights(self, pairs) -> set[str]:
         pairs = list(pairs)
+        self._adapters = {}  # new base weights: an adapter applied to the old ones is stale
         self.calls.append(("load_weights", tuple(name for name, _ in pairs)))
         self.contexts.append(_context("load_weights"))
         loaded = set()
@@ -200,9 +207,28 @@ class FakeLLM:
         self.asleep -= set(tags) if tags is not None else set(self.asleep)
 
     # -- generation ----------------------------------------------------------------------------------------
+    def _with_adapter(self, request) -> torch.nn.Module:
+        """The held model with the request's adapter applied (vLLM applies it in its LoRA kernels)."""
+        import copy
+        import json
+
+        from peft import PeftModel
+
+        if not self.kwargs.get("enable_lora"):
+            raise ValueError("LoRA is not enabled: build the LLM with enable_lora=True")
+        rank = json.loads((Path(request.lora_path) / "adapter_config.json").read_text())["r"]
+        if rank > self.kwargs.get("max_lora_rank", 16):
+            raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank {self.kwargs.get('max_lora_rank', 16)}")
+        key = (request.lora_int_id, id(self.parameters))
+        if self._adapters.get("key") != key:
+            merged = PeftModel.from_pretrained(copy.deepcopy(self.model), request.lora_path).merge_and_unload()
+            self._adapters = {"key": key, "model": merged.eval()}
+        return self._adapters["model"]
+
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None):
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.calls.append(("generate", len(prompts)))
+        self.lora_requests.append(lora_request)
         self.contexts.append(_context("generate"))
         self.params = params
         if self.asleep:
@@ -216,7 +242,7 @@ class FakeLLM:
                 raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
                                  f"of {self.max_model_len}.")
             rows += [ids] * params.n
-        completions = self._sample(rows, params)
+        completions = self._sample(rows, params, self._with_adapter(lora_request) if lora_request else self.model)
         outputs = [types.SimpleNamespace(prompt_token_ids=rows[i * params.n], finished=True,
                                          outputs=completions[i * params.n:(i + 1) * params.n])
                    for i in range(len(prompts))]
@@ -224,7 +250,7 @@ class FakeLLM:
         return outputs
 
     @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], params: SamplingParams) -> list:
+    def _sample(self, prompts: list[list[int]], params: SamplingParams, model: torch.nn.Module) -> list:
         """All rows at once: left-padded, a full forward of every sequence per step (no KV cache)."""
         stops = (set(params.stop_token_ids) | self.generation_eos) - {self.eos_token_id}
         greedy = params.temperature < _GREEDY
@@ -241,7 +267,7 @@ class FakeLLM:
             if all(finish):
                 break
             positions = (mask.cumsum(-1) - 1).clamp_min(0)
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
             chosen = []
             for row in range(len(prompts)):
                 raw = logits[row]
@@ -286,10 +312,25 @@ class FakeLLM:
         return logits
 
 
+@dataclasses.dataclass
+class LoRARequest:
+    """``vllm.lora.request.LoRARequest``'s fields."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 def install(monkeypatch) -> types.ModuleType:
-    """Make ``import vllm`` give the stand-in (``LLM``, ``SamplingParams``) for one test, as an installed vLLM would."""
+    """Make ``import vllm`` give the stand-in (``LLM``, ``SamplingParams``, ``LoRARequest``) for one test, as an
+    installed vLLM would."""
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams = FakeLLM, SamplingParams
+    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
+    request.LoRARequest = LoRARequest
+    module.lora, lora.request = lora, request
     monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.lora", lora)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"))
     return module

@@ -20,11 +20,13 @@ import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM
 
 from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
 from lightning_rlvr.callbacks import ClipCov, SupervisedWarmStart, TopEntropyTokens
 from lightning_rlvr.data.sources import PromptSource
 from lightning_rlvr.loggers import InMemoryLogger
+from lightning_rlvr.lora import merged_weights
 from lightning_rlvr.rollout import HFEngine
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine
 from lightning_rlvr.sharding import full_weights, is_sharded
@@ -98,14 +100,14 @@ def strategy_for(name: str, world: int, distributed_checkpoint: bool = False):
 
 def fit(model_dir: str, world: int, strategy: str = "ddp", logger=None, max_steps: int = STEPS,
         extra_callbacks: tuple = (), ckpt_path: str | None = None,
-        distributed_checkpoint: bool = False) -> dict[str, torch.Tensor]:
+        distributed_checkpoint: bool = False, lora: dict | None = None) -> dict[str, torch.Tensor]:
     pl.seed_everything(0, verbose=False)
     # Clipping active (the global norm matters) and a KL term (the reference is sharded too under FSDP).
     # Full rows in every run: FSDP2 turns the shared-prompt forward off, and at lr 1e-2 Adam (dividing by sqrt(v))
     # turns its different float rounding on a near-zero gradient into ~1e-5 on one parameter (tested on its own in
     # tests/ops/test_shared_prompt.py and test_module.py).
     module = RLVRModule(model=model_dir, learning_rate=1e-2, max_grad_norm=0.05, kl_coef=0.05,
-                        share_prompt_forward=False)
+                        share_prompt_forward=False, lora=lora)
     token_ids = [module.tokenizer.convert_tokens_to_ids(c) for c in "0123456789"]
     engine = PromptSeededEngine(token_ids, module.tokenizer.eos_token_id, module.tokenizer.pad_token_id)
     data = RankShards(source=Digits(), engine=engine, verifier=CallableVerifier(odd_length),
@@ -119,9 +121,14 @@ def fit(model_dir: str, world: int, strategy: str = "ddp", logger=None, max_step
                                     *extra_callbacks])
     trainer.fit(module, data, ckpt_path=ckpt_path)
     assert is_sharded(module.policy) == (strategy == "fsdp" and world > 1)
-    assert module.ref_model is not None and is_sharded(module.ref_model) == is_sharded(module.policy)
-    # full_weights gathers FSDP2 shards (a collective on every rank) and is the identity on a replicated policy.
-    return {name: tensor.detach().clone() for bucket in full_weights(module.policy, bucket_bytes=4096)
+    if lora is None:
+        assert module.ref_model is not None and is_sharded(module.ref_model) == is_sharded(module.policy)
+    else:  # the reference is the policy with its adapter off
+        assert module.ref_model is None
+    # full_weights / merged_weights gather FSDP2 shards (a collective on every rank); the identity on a replicated
+    # policy (merged: W + scale·B·A under the base model's names).
+    weights = merged_weights if lora is not None else full_weights
+    return {name: tensor.detach().clone() for bucket in weights(module.policy, bucket_bytes=4096)
             for name, tensor in bucket}
 
 
@@ -153,9 +160,9 @@ def distributed_worker(body):
 
 
 @distributed_worker
-def worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: str) -> None:
+def worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: str, lora: dict | None = None) -> None:
     logger = InMemoryLogger()
-    weights = fit(model_dir, 2, strategy, logger)
+    weights = fit(model_dir, 2, strategy, logger, lora=lora)
     torch.save({"weights": weights, "history": logger.history}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -358,3 +365,24 @@ def test_multi_rank_resume_continues_the_epoch_exactly(strategy, tiny_model_dir,
         for key, values in history.items():  # every rank's RNG state restored: identical sampling and losses
             expected = {s: repr(full[rank]["history"][key][s]) for s in values}
             assert {s: repr(v) for s, v in values.items()} == expected, key
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_process_lora_fit_equals_one_process(strategy, tiny_model_dir, tmp_path):
+    """A frozen base (sharded under FSDP2), a trained adapter, the reference with the adapter off: 2 ranks = 1."""
+    pytest.importorskip("peft")
+    lora = {"rank": 4, "alpha": 8.0}
+    logger = InMemoryLogger()
+    single = fit(tiny_model_dir, 1, logger=logger, lora=lora)
+    spawn_two(worker, tiny_model_dir, str(tmp_path), strategy, lora)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]  # our own files
+    initial = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    assert max((single[k] - v).abs().max().item() for k, v in initial.items()) > 1e-4  # the adapter moved
+    for k, v in single.items():
+        for r in ranks:
+            torch.testing.assert_close(r["weights"][k], v, rtol=1e-4, atol=1e-6)
+    h = logger.history
+    assert h["loss/kl"][0] == 0.0 and h["loss/kl"][STEPS - 1] > 0
+    for key in ("loss/pg", "loss/kl", "policy/grad_norm", "reward/mean"):
+        for step in range(STEPS):
+            assert abs(ranks[0]["history"][key][step] - h[key][step]) <= 1e-5 + 1e-4 * abs(h[key][step]), key

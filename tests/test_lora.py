@@ -165,6 +165,8 @@ def test_lora_settings_are_validated():
         RLVRModule(model="builtin:tiny", lora={"rank": 0})
     with pytest.raises(ValueError, match="target_modules"):
         LoRA(target_modules="everything")
+    with pytest.raises(ValueError, match="ties its output head"):  # the tiny Llama ties lm_head to embed_tokens
+        RLVRModule(model="builtin:tiny", lora={"target_modules": ["q_proj", "lm_head"]}).configure_model()
     assert RLVRModule(model="builtin:tiny", lora=LoRA(rank=2)).hparams.lora["rank"] == 2
 
 
@@ -197,3 +199,57 @@ def test_export_writes_a_peft_adapter_and_a_merged_model_that_reproduce_the_poli
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
     torch.testing.assert_close(logprobs(merged), expected, rtol=1e-5, atol=1e-5)
     assert (expected - base_logprobs(tiny_model_dir, batch)).abs().max() > 1e-2
+
+
+def test_engines_generate_with_the_adapter(tiny_model_dir, memory_logger):
+    """HFEngine samples from the LoRA policy itself; vLLM (the stand-in) from the merged weights it was pushed: its
+    log-probs are the trainer's (engine_kl ~ 0) after every update."""
+    from lightning_rlvr.rollout import HFEngine, SamplingConfig, VLLMEngine
+    from tests.fake_vllm import FakeLLM, fake_sampling_params
+
+    pl.seed_everything(0)
+    module = RLVRModule(model=tiny_model_dir, learning_rate=3e-2, lora=LORA)
+    trainer(3).fit(module, data())
+    policy = module.policy
+    merged = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    merged.load_state_dict(dict(item for bucket in merged_weights(policy) for item in bucket), strict=False)
+    prompts = [[1, 5, 6, 7], [1, 9]]
+    sampling = SamplingConfig(max_new_tokens=6, temperature=1.0, stop_token_ids=(2,))
+    outputs = []
+    for model in (policy, merged):
+        engine = HFEngine()
+        engine.sync(model, 0)
+        torch.manual_seed(7)
+        outputs.append(engine.generate(prompts, 4, sampling).completion_ids)
+    assert torch.equal(outputs[0], outputs[1])  # the same draws: the adapter is active while decoding
+    vllm = VLLMEngine(llm_factory=FakeLLM, sampling_params_factory=fake_sampling_params,
+                      logprobs_mode="processed_logprobs")
+    fresh = RLVRModule(model=tiny_model_dir, learning_rate=3e-2, lora=LORA)
+    trainer(3, memory_logger).fit(fresh, data(engine=vllm, verifier=CallableVerifier(lambda c, a: float(len(c) % 2)),
+                                             max_new_tokens=12))
+    kl = memory_logger.history["rollout/engine_kl"]
+    assert len(kl) == 3 and max(abs(v) for v in kl.values()) < 1e-5
+    assert sum(call[0] == "load_weights" for call in vllm.llm.calls) >= 3
+
+
+def test_vllm_serves_the_adapter_through_its_lora_support(tiny_model_dir, memory_logger):
+    """lora_mode="adapter": the base pushed once (again whenever a warm start is merged into it), the adapter written
+    and loaded per update through a LoRARequest; vLLM's log-probs are still the trainer's."""
+    from lightning_rlvr.rollout import VLLMEngine
+    from tests.fake_vllm import FakeLLM, LoRARequest, fake_sampling_params
+
+    pl.seed_everything(0)
+    vllm = VLLMEngine(llm_factory=FakeLLM, sampling_params_factory=fake_sampling_params,
+                      lora_request_factory=LoRARequest, lora_mode="adapter", logprobs_mode="processed_logprobs")
+    module = RLVRModule(model=tiny_model_dir, learning_rate=3e-2, lora=LORA)
+    trainer(3, memory_logger, callbacks=[SupervisedWarmStart(steps=20)]).fit(
+        module, data(engine=vllm, verifier=CallableVerifier(lambda c, a: float(len(c) % 2)), max_new_tokens=12))
+    llm = vllm.llm
+    assert llm.kwargs["enable_lora"] is True and llm.kwargs["max_lora_rank"] == 8
+    requests = [r for r in llm.lora_requests if r is not None]
+    assert len(requests) == 3 and len({r.lora_int_id for r in requests}) == 3  # a new adapter after each update
+    # The base went once, at the first rollout, after the warm start was merged into it: engine_kl ~ 0 below
+    # shows vLLM's base is the merged one.
+    assert sum(call[0] == "load_weights" for call in llm.calls) == 1 and module.policy.merged_adapter_count == 1
+    kl = memory_logger.history["rollout/engine_kl"]
+    assert max(abs(v) for v in kl.values()) < 1e-5

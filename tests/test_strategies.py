@@ -129,3 +129,12 @@ def test_supervised_warm_start_refuses_deepspeed():
     trainer = types.SimpleNamespace(strategy=DeepSpeedStrategy(stage=2))
     with pytest.raises(ValueError, match="DeepSpeed"):
         SupervisedWarmStart(steps=1).on_fit_start(trainer, types.SimpleNamespace())
+
+
+@requires_deepspeed
+def test_lora_under_zero3_is_refused_with_the_reason():
+    pytest.importorskip("peft")
+    cli = deepspeed_cli("--model.lora", "{rank: 4}")
+    attach(cli)
+    with pytest.raises(ValueError, match="LoRA under DeepSpeed ZeRO-3 is not supported"):
+        cli.model.configure_model()

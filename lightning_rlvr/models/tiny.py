@@ -41,6 +41,8 @@ class TinyModelConfig:
         intermediate_size: MLP width.
         max_position_embeddings: longest prompt + completion, in characters.
         seed: random-init seed (the weights are a pure function of it).
+        initializer_range: std of the random init (transformers' default 0.02). A LoRA run keeps the embeddings
+            and the tied output head frozen: at 0.02 their logits cannot leave the uniform distribution.
     """
 
     hidden_size: int = 64
@@ -50,11 +52,14 @@ class TinyModelConfig:
     intermediate_size: int = 128
     max_position_embeddings: int = 64
     seed: int = 0
+    initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if name != "seed" and value < 1:
+            if name not in ("seed", "initializer_range") and value < 1:
                 raise ValueError(f"TinyModelConfig.{name} must be >= 1, got {value}")
+        if self.initializer_range <= 0:
+            raise ValueError(f"TinyModelConfig.initializer_range must be > 0, got {self.initializer_range}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("TinyModelConfig.hidden_size must be divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -117,6 +122,7 @@ def build_tiny_model(directory: str | Path, config: TinyModelConfig | None = Non
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
         max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

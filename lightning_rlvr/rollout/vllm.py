@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ from torch import nn
 from lightning_rlvr.lora import is_lora, merged_weights
 from lightning_rlvr.rng import preserved_rng_state
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
-from lightning_rlvr.sharding import full_weights
+from lightning_rlvr.sharding import full_weights, is_sharded
 
 __all__ = ["VLLMEngine"]
 
@@ -65,6 +66,18 @@ def _vllm_sampling_params(**kwargs: Any):
     from vllm import SamplingParams
 
     return SamplingParams(**kwargs)
+
+
+def _vllm_lora_request(**kwargs: Any):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(**kwargs)
+
+
+def _vllm_lora_rank(policy: nn.Module) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts (its supported values) that holds the policy's adapter."""
+    rank = max(config.r for config in policy.peft_config.values())
+    return next(value for value in (8, 16, 32, 64, 128, 256, 320, 512) if value >= rank)
 
 
 @contextlib.contextmanager
@@ -124,8 +137,14 @@ class VLLMEngine(RolloutEngine):
         seed: the seed vLLM is built with (each rank adds its rank). vLLM's worker reseeds the process's global RNGs
             with it at construction; the engine restores them afterwards, so the run's random streams (and an exact
             resume) are untouched, and vLLM samples from the trainer's global generator like HFEngine.
+        lora_mode: how a LoRA policy reaches vLLM: ``"merged"`` (default; its weights merged, ``W + scale·B·A``,
+            pushed like a full model's: vLLM then runs a plain model at full speed, on any vLLM) or ``"adapter"``
+            (vLLM's LoRA support, ``enable_lora``: the base weights are pushed once, and after each update only the
+            adapter, written to a local directory and loaded through a ``LoRARequest``; less to transfer per sync,
+            slower decoding through vLLM's LoRA kernels). Unsharded policies only.
         llm_factory: builds the LLM from keyword arguments (default ``vllm.LLM``); for tests and custom setups.
         sampling_params_factory: builds sampling parameters (default ``vllm.SamplingParams``).
+        lora_request_factory: builds a LoRA request (default ``vllm.lora.request.LoRARequest``).
     """
 
     def __init__(
@@ -140,8 +159,10 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = False,
         logprobs_mode: str | None = "processed_logprobs",
         seed: int = 0,
+        lora_mode: Literal["merged", "adapter"] = "merged",
         llm_factory: Callable[..., Any] | None = None,
         sampling_params_factory: Callable[..., Any] | None = None,
+        lora_request_factory: Callable[..., Any] | None = None,
     ) -> None:
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"VLLMEngine: gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
@@ -149,6 +170,13 @@ class VLLMEngine(RolloutEngine):
             raise ValueError(f"VLLMEngine: sleep_level must be 1 or 2, got {sleep_level}")
         if weight_bucket_mb < 1:
             raise ValueError(f"VLLMEngine: weight_bucket_mb must be >= 1, got {weight_bucket_mb}")
+        if lora_mode not in ("merged", "adapter"):
+            raise ValueError(f"VLLMEngine: lora_mode must be 'merged' or 'adapter', got {lora_mode!r}")
+        self.lora_mode = lora_mode
+        self.lora_request_factory = lora_request_factory or _vllm_lora_request
+        self._lora_request: Any = None
+        self._adapter_dir: tempfile.TemporaryDirectory | None = None
+        self._base_pushed: int | None = None  # the policy's merged_adapter_count when its base was last pushed
         self.model = model
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_model_len = max_model_len
@@ -189,6 +217,10 @@ class VLLMEngine(RolloutEngine):
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per trainer rank
             _set_launcher_environment()
+        if self._serves_adapter(policy):
+            if is_sharded(policy):
+                raise ValueError("VLLMEngine(lora_mode='adapter') needs an unsharded policy: use lora_mode='merged'")
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(policy))
         self.llm_kwargs = kwargs
         with preserved_rng_state():  # vLLM's worker reseeds random, numpy, torch and CUDA with `seed`
             self.llm = self.llm_factory(**kwargs)
@@ -213,16 +245,41 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up(tags=asleep)
             self._asleep -= set(asleep)
 
+    def _serves_adapter(self, policy: nn.Module) -> bool:
+        return self.lora_mode == "adapter" and is_lora(policy)
+
     def _push_weights(self) -> None:
+        if self._serves_adapter(self.policy):
+            self._push_adapter()
+            return
         model = self._model()
         size = self.weight_bucket_mb * 2**20
         # A LoRA policy is pushed merged (W + scale·B·A) under its base model's names: vLLM serves a plain model.
         buckets = merged_weights(self.policy, size) if is_lora(self.policy) else full_weights(self.policy, size)
+        self._load(model, buckets)
+
+    def _load(self, model: Any, buckets) -> None:
         for bucket in buckets:
             # Names as in a Hugging Face checkpoint (vLLM maps them onto its fused layers); `_orig_mod.` is what
             # torch.compile adds.
             model.load_weights([(name.replace("_orig_mod.", ""), tensor) for name, tensor in bucket])
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def _push_adapter(self) -> None:
+        """vLLM's LoRA path: the base weights when they changed (first sync, a warm start merged into them, a level-2
+        sleep), then the adapter written to a directory vLLM loads it from, under a new id per push."""
+        merges = getattr(self.policy, "merged_adapter_count", 0)
+        if self._base_pushed != merges or self.sleep_level == 2:
+            self._load(self._model(), merged_weights(self.policy, self.weight_bucket_mb * 2**20, with_adapter=False))
+            self._base_pushed = merges
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.TemporaryDirectory(prefix="lightning_rlvr_adapter_")
+        number = self._adapter_pushes = getattr(self, "_adapter_pushes", 0) + 1
+        path = os.path.join(self._adapter_dir.name, f"v{number}")
+        self.policy.save_pretrained(path)
+        self._lora_request = self.lora_request_factory(lora_name=f"policy-{number}", lora_int_id=number,
+                                                       lora_path=path)
+        self.llm.reset_prefix_cache()
 
     # -- RolloutEngine -------------------------------------------------------------------------------------
     def sync(self, policy: nn.Module, version: int) -> None:
@@ -272,7 +329,11 @@ class VLLMEngine(RolloutEngine):
             **(dict(temperature=0.0) if sampling.greedy else
                dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or -1)),
         )
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        if self._lora_request is not None:
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request)
+        else:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         return self._to_output(prompts, outputs, n, stop_ids)
 
     def _to_output(self, prompts: list[list[int]], outputs: list, n: int,
