@@ -25,7 +25,7 @@ def run(script: str, *args: str, tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("script", ["bench_step.py", "bench_logprobs.py", "bench_interventions.py"])
+@pytest.mark.parametrize("script", ["bench_step.py", "bench_logprobs.py", "bench_interventions.py", "bench_lora.py"])
 def test_benchmark_explains_itself(script):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
@@ -56,3 +56,13 @@ def test_bench_interventions_reports_each_row_against_grpo(tmp_path):
     rows = {row["row"]: row for row in table["rows"]}
     assert rows["grpo"]["step_time_vs_grpo"] == pytest.approx(1.0)
     assert "ref_logprobs" in rows["ep_grpo"]["passes"]
+
+
+def test_bench_lora_measures_memory_time_and_checkpoints_against_full_fine_tuning(tmp_path):
+    pytest.importorskip("peft")
+    table = run("bench_lora.py", "--model", "tiny", "--rows", "full_kl", "lora_kl", "--steps", "3", "--warmup", "1",
+                tmp_path=tmp_path)
+    full, lora = table["rows"]["full_kl"], table["rows"]["lora_kl"]
+    assert full["reference_model"] and not lora["reference_model"]  # LoRA: the adapter off is the reference
+    assert lora["parameter_bytes"] < full["parameter_bytes"] and lora["optimizer_bytes"] < full["optimizer_bytes"]
+    assert lora["checkpoint_bytes"] < full["checkpoint_bytes"] and lora["steps_per_s"] > 0
