@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import lightning.pytorch as pl
 
 from lightning_rlvr import BuiltinTask, RolloutDataModule
@@ -23,3 +25,18 @@ def quiet_trainer(max_steps: int, rollout_steps: int, logger: InMemoryLogger, ca
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         check_val_every_n_epoch=None, val_check_interval=rollout_steps, num_sanity_val_steps=0, callbacks=callbacks,
     )
+
+
+class StepClock(pl.Callback):
+    """The wall-clock time at the end of every training step, for a benchmark worker's steps per second."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_train_batch_end(self, *args, **kwargs) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def steps_per_s(self, warmup: int) -> float:
+        """Steps per second over the steps after the first ``warmup``."""
+        timed = self.stamps[warmup:]
+        return (len(timed) - 1) / (timed[-1] - timed[0])

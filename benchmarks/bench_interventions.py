@@ -87,13 +87,11 @@ def worker(row: str, model: str, new_tokens: int, steps: int, warmup: int, micro
     from lightning_rlvr.callbacks import Intervention
     from lightning_rlvr.models import TinyModelConfig, build_tiny_model
 
+    from _setting import StepClock
+
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    stamps: list[float] = []
-
-    class Stamp(pl.Callback):
-        def on_train_batch_end(self, *args, **kwargs) -> None:
-            stamps.append(time.perf_counter())
+    clock = StepClock()
 
     callbacks = interventions(row)
     with tempfile.TemporaryDirectory() as directory:
@@ -103,11 +101,10 @@ def worker(row: str, model: str, new_tokens: int, steps: int, warmup: int, micro
         module = RLVRModule(model=path, learning_rate=3e-4, max_grad_norm=1.0, micro_batch_size=micro_batch_size)
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps + warmup, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[*callbacks, Stamp()])
+                             limit_val_batches=0, num_sanity_val_steps=0, callbacks=[*callbacks, clock])
         trainer.fit(module, data)
         needs = module.needs()
-    timed = stamps[warmup:]
-    return {"steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]),
+    return {"steps_per_s": clock.steps_per_s(warmup),
             "passes": [name for name in ("old_stats", "ref_logprobs", "flow_stats", "entropy_grad")
                        if getattr(needs, name)] + (["nucleus"] if needs.nucleus_top_p else [])
                       + (["minibatch_stats"] if needs.minibatch_stats and micro_batch_size else []),

@@ -39,13 +39,11 @@ def worker(row: str, model: str, steps: int, warmup: int) -> dict:
     from lightning_rlvr.callbacks import EPGRPO
     from lightning_rlvr.models import TinyModelConfig, build_tiny_model
 
+    from _setting import StepClock
+
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    stamps: list[float] = []
-
-    class Stamp(pl.Callback):
-        def on_train_batch_end(self, *args, **kwargs) -> None:
-            stamps.append(time.perf_counter())
+    clock = StepClock()
 
     lora = LORA if row.startswith("lora") else None
     kl = 0.01 if row.endswith("_kl") else 0.0
@@ -59,7 +57,7 @@ def worker(row: str, model: str, steps: int, warmup: int) -> dict:
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps + warmup, logger=False,
                              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                              num_sanity_val_steps=0,
-                             callbacks=[*callbacks, Stamp(), ModelCheckpoint(dirpath=checkpoint_dir)])
+                             callbacks=[*callbacks, clock, ModelCheckpoint(dirpath=checkpoint_dir)])
         trainer.fit(module, data)
         models = [m for m in (module.policy, module.ref_model) if m is not None]
         parameter_bytes = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
@@ -67,8 +65,7 @@ def worker(row: str, model: str, steps: int, warmup: int) -> dict:
                               for t in state.values() if torch.is_tensor(t))
         (checkpoint,) = checkpoint_dir.glob("*.ckpt")
         checkpoint_bytes = os.path.getsize(checkpoint)
-    timed = stamps[warmup:]
-    return {"steps_per_s": (len(timed) - 1) / (timed[-1] - timed[0]), "parameter_bytes": parameter_bytes,
+    return {"steps_per_s": clock.steps_per_s(warmup), "parameter_bytes": parameter_bytes,
             "optimizer_bytes": optimizer_bytes, "checkpoint_bytes": checkpoint_bytes,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "reference_model": module.ref_model is not None}
