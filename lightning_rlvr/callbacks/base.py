@@ -318,7 +318,16 @@ class Intervention(Callback):
         """Called once per rollout step after its optimizer steps; update state, log metrics."""
 
     def _state_key(self, **arguments: Any) -> str:
-        return self._generate_state_key(**arguments)
+        # A non-default statistics scope is part of the key; the default is not, so checkpoints keep their keys.
+        scope = getattr(self, "scope", "minibatch")
+        return self._generate_state_key(**arguments, **({} if scope == "minibatch" else {"scope": scope}))
+
+    def _statistics_scope(self, scope: StatisticsScope) -> Needs:
+        """Validate and keep ``scope`` (batch statistics per minibatch or per micro-batch); the ``Needs`` it implies."""
+        if scope not in ("minibatch", "micro_batch"):
+            raise ValueError(f"{type(self).__name__}: scope must be 'minibatch' or 'micro_batch', got {scope!r}")
+        self.scope = scope
+        return Needs(minibatch_stats=scope == "minibatch")
 
     def log_name(self, name: str) -> str:
         return f"{self.metric_prefix}/{name}" if self.metric_prefix else name
@@ -327,17 +336,6 @@ class Intervention(Callback):
 def detached(policy_loss: PolicyLossOutput) -> PolicyLossOutput:
     """The surrogate's output without its graph (statistics are read, never differentiated)."""
     return dataclasses.replace(policy_loss, loss=policy_loss.loss.detach(), ratio=policy_loss.ratio.detach())
-
-
-def check_scope(name: str, scope: str) -> None:
-    """Refuse a :data:`StatisticsScope` that is neither ``"minibatch"`` nor ``"micro_batch"``."""
-    if scope not in ("minibatch", "micro_batch"):
-        raise ValueError(f"{name}: scope must be 'minibatch' or 'micro_batch', got {scope!r}")
-
-
-def scope_key(scope: str) -> dict[str, str]:
-    """The scope's part of a state key: nothing for the default, so checkpoints keep their keys."""
-    return {} if scope == "minibatch" else {"scope": scope}
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> float:

@@ -28,15 +28,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_rlvr.algorithms.covariance import clip_cov_selection, token_covariance
-from lightning_rlvr.callbacks.base import (
-    Intervention,
-    MicroBatchContext,
-    MinibatchView,
-    Needs,
-    StatisticsScope,
-    check_scope,
-    scope_key,
-)
+from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, MinibatchView, StatisticsScope
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,9 +62,7 @@ class ClipCov(Intervention):
             raise ValueError(f"ClipCov: ratio must be in (0, 1], got {ratio}")
         if not lower < upper:
             raise ValueError(f"ClipCov: need lower < upper, got {lower}, {upper}")
-        check_scope("ClipCov", scope)
-        self.scope = scope
-        self.needs = Needs(minibatch_stats=scope == "minibatch")
+        self.needs = self._statistics_scope(scope)
         self.ratio = float(ratio)
         self.lower = float(lower)
         self.upper = float(upper)
@@ -82,7 +72,7 @@ class ClipCov(Intervention):
     @property
     @override
     def state_key(self) -> str:
-        return self._state_key(ratio=self.ratio, lower=self.lower, upper=self.upper, **scope_key(self.scope))
+        return self._state_key(ratio=self.ratio, lower=self.lower, upper=self.upper)
 
     @override
     def token_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor:

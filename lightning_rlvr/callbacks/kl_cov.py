@@ -25,15 +25,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_rlvr.algorithms.covariance import kl_cov_selection, token_covariance
-from lightning_rlvr.callbacks.base import (
-    Intervention,
-    MicroBatchContext,
-    MinibatchView,
-    Needs,
-    StatisticsScope,
-    check_scope,
-    scope_key,
-)
+from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, MinibatchView, StatisticsScope
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -64,16 +56,14 @@ class KLCov(Intervention):
             raise ValueError(f"KLCov: ratio must be in (0, 1], got {ratio}")
         if not coef > 0:
             raise ValueError(f"KLCov: coef must be > 0, got {coef}")
-        check_scope("KLCov", scope)
-        self.scope = scope
-        self.needs = Needs(minibatch_stats=scope == "minibatch")
+        self.needs = self._statistics_scope(scope)
         self.ratio = float(ratio)
         self.coef = float(coef)
 
     @property
     @override
     def state_key(self) -> str:
-        return self._state_key(ratio=self.ratio, coef=self.coef, **scope_key(self.scope))
+        return self._state_key(ratio=self.ratio, coef=self.coef)
 
     @override
     def extra_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor:

@@ -26,6 +26,7 @@ Metrics (each over a minibatch's valid tokens on all ranks, averaged over the st
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,15 +34,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_rlvr.algorithms.entropy_change import OmegaMode, WeightMode, steer_omega, steer_weights
-from lightning_rlvr.callbacks.base import (
-    Intervention,
-    MicroBatchContext,
-    MinibatchView,
-    Needs,
-    StatisticsScope,
-    check_scope,
-    scope_key,
-)
+from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, MinibatchView, StatisticsScope
 from lightning_rlvr.distributed import all_max, all_sum
 
 if TYPE_CHECKING:
@@ -86,18 +79,16 @@ class STEER(Intervention):
             raise ValueError(f"STEER: linear mode needs 0 <= w_min <= w_max, got [{w_min}, {w_max}]")
         if omega_floor <= 0:
             raise ValueError(f"STEER: omega_floor must be > 0, got {omega_floor}")
-        check_scope("STEER", scope)
-        self.scope = scope
         self.mode, self.w_min, self.w_max = mode, float(w_min), float(w_max)
         self.omega, self.omega_floor = omega, float(omega_floor)
         # The exact estimate needs S̄ of the current policy, from the training forward pass.
-        self.needs = Needs(flow_stats=omega == "exact", minibatch_stats=scope == "minibatch")
+        self.needs = dataclasses.replace(self._statistics_scope(scope), flow_stats=omega == "exact")
 
     @property
     @override
     def state_key(self) -> str:
         return self._state_key(mode=self.mode, w_min=self.w_min, w_max=self.w_max, omega=self.omega,
-                               omega_floor=self.omega_floor, **scope_key(self.scope))
+                               omega_floor=self.omega_floor)
 
     @override
     def token_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor:

@@ -19,15 +19,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_rlvr.algorithms.selection import top_fraction_mask
-from lightning_rlvr.callbacks.base import (
-    Intervention,
-    MicroBatchContext,
-    MinibatchView,
-    Needs,
-    StatisticsScope,
-    check_scope,
-    scope_key,
-)
+from lightning_rlvr.callbacks.base import Intervention, MicroBatchContext, MinibatchView, StatisticsScope
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -55,16 +47,14 @@ class TopEntropyTokens(Intervention):
     def __init__(self, ratio: float = 0.2, renormalize: bool = True, scope: StatisticsScope = "minibatch") -> None:
         if not 0 < ratio <= 1:
             raise ValueError(f"TopEntropyTokens: ratio must be in (0, 1], got {ratio}")
-        check_scope("TopEntropyTokens", scope)
-        self.scope = scope
-        self.needs = Needs(minibatch_stats=scope == "minibatch")
+        self.needs = self._statistics_scope(scope)
         self.ratio = float(ratio)
         self.renormalize = bool(renormalize)
 
     @property
     @override
     def state_key(self) -> str:
-        return self._state_key(ratio=self.ratio, renormalize=self.renormalize, **scope_key(self.scope))
+        return self._state_key(ratio=self.ratio, renormalize=self.renormalize)
 
     @override
     def token_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor:
