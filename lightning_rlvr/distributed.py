@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["all_max", "all_sum", "gather_cat", "world_size"]
+__all__ = ["all_max", "all_sum", "all_union", "gather_cat", "world_size"]
 
 
 def world_size() -> int:
@@ -20,6 +20,15 @@ def world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return 1
+
+
+def all_union(names: set[str]) -> set[str]:
+    """The union of every rank's set of names (the set itself without a process group)."""
+    if world_size() == 1:
+        return set(names)
+    gathered: list[set[str] | None] = [None] * world_size()
+    dist.all_gather_object(gathered, set(names))
+    return set().union(*gathered)
 
 
 def all_sum(value: Tensor) -> Tensor:

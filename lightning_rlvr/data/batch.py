@@ -29,8 +29,13 @@ class RolloutBatch:
         group_ids: ``(N,)`` id of the prompt of each completion (unique within the batch).
         policy_version: the policy version (optimizer steps taken) that generated the batch.
         temperature: the sampling temperature (log-probs are computed at the same temperature).
-        completions: decoded completion texts (up to the first EOS).
+        completions: decoded completion texts (up to, not including, the first stop token).
         answers: reference answers.
+        verdicts: per row ``"correct"`` (score > 0.5), ``"wrong"``, ``"truncated"`` (no stop token: not verified),
+            ``"invalid"`` (a special or out-of-vocabulary token in the answer: not verified) or ``"error"`` (the
+            verifier raised, hung or returned a non-finite value).
+        reward_components: ``{name: (N,)}`` the named components of a verifier that returns several (0 where a row
+            has none), summed into ``scores``.
         engine_logprobs: ``(N, T)`` the engine's own log-probs, if it returned them.
         behaviour_logprobs: ``(N, T)`` log-probs of the completion tokens under the training module at τ,
             computed while decoding (:attr:`~lightning_rlvr.rollout.base.GenerationOutput.behaviour`), or ``None``.
@@ -52,6 +57,8 @@ class RolloutBatch:
     temperature: float
     completions: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
+    verdicts: list[str] = field(default_factory=list)
+    reward_components: dict[str, Tensor] = field(default_factory=dict)
     engine_logprobs: Tensor | None = None
     behaviour_logprobs: Tensor | None = None
     behaviour_entropy: Tensor | None = None
@@ -76,7 +83,8 @@ class RolloutBatch:
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
         """A copy with every tensor on ``device``."""
-        return replace(self, **{name: getattr(self, name).to(device) for name in self._tensor_fields()})
+        return replace(self, **{name: getattr(self, name).to(device) for name in self._tensor_fields()},
+                       reward_components={name: v.to(device) for name, v in self.reward_components.items()})
 
     def select(self, index: Tensor) -> "RolloutBatch":
         """The rows ``index`` (a long tensor), e.g. one minibatch."""
@@ -86,4 +94,6 @@ class RolloutBatch:
             **{name: getattr(self, name)[index.to(getattr(self, name).device)] for name in self._tensor_fields()},
             completions=[self.completions[i] for i in cpu_index] if self.completions else [],
             answers=[self.answers[i] for i in cpu_index] if self.answers else [],
+            verdicts=[self.verdicts[i] for i in cpu_index] if self.verdicts else [],
+            reward_components={name: v[index.to(v.device)] for name, v in self.reward_components.items()},
         )

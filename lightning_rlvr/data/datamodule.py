@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import lightning.pytorch as pl
 import torch
@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from lightning_rlvr.algorithms.sampling import informative_groups, overlong_penalty
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.data.sources import BuiltinTask, PromptSource
-from lightning_rlvr.distributed import all_max, world_size
+from lightning_rlvr.distributed import all_max, all_union, world_size
 from lightning_rlvr.metrics.pass_at_k import pass_at_k
 from lightning_rlvr.metrics.rcea import majority_vote_correct
 from lightning_rlvr.rng import rng_state, set_rng_state
@@ -149,6 +149,24 @@ class _Scored:
     invalid: bool
     logprobs: list[float] | None = None  # the engine's log-probs of completion_ids, if it returned them
     behaviour: torch.Tensor | None = None  # (T_round, 3): log-prob, entropy, S̄ per token of the engine's row
+    components: dict[str, float] = field(default_factory=dict)  # the verifier's named components
+    failed: bool = False  # the verifier raised, hung or returned a non-finite value
+
+    @property
+    def verdict(self) -> str:
+        if self.truncated:
+            return "truncated"
+        if self.invalid:
+            return "invalid"
+        if self.failed:
+            return "error"
+        return "correct" if self.score > 0.5 else "wrong"
+
+
+def _component_names(rows: list[_Scored]) -> list[str]:
+    """The reward components named in ``rows``, on every rank: each rank must log the same metric names, since the
+    step's metrics are averaged over ranks in one all-reduce (a rank whose rows lack a component logs its mean 0)."""
+    return sorted(all_union({name for r in rows for name in r.components}))
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -417,10 +435,10 @@ class RolloutDataModule(pl.LightningDataModule):
                                 None if behaviour is None else behaviour[i]))
             if not truncated and not invalid:
                 to_verify.append(i)
-        scores, errors = self.runner.score_batch([rows[i].text for i in to_verify], [rows[i].answer for i in to_verify])
-        for i, score in zip(to_verify, scores):
-            rows[i].score = score
-        return rows, errors
+        verdicts = self.runner.verify_batch([rows[i].text for i in to_verify], [rows[i].answer for i in to_verify])
+        for i, verdict in zip(to_verify, verdicts):
+            rows[i].score, rows[i].components, rows[i].failed = verdict.reward, verdict.components, verdict.failed
+        return rows, sum(v.failed for v in verdicts)
 
     def rollout(self, problems: list[Problem]) -> RolloutBatch:
         """Generate, verify and batch ``group_size`` completions for each prompt with the current policy."""
@@ -541,6 +559,8 @@ class RolloutDataModule(pl.LightningDataModule):
         rewards = self._shaped_rewards(rows)
         correct = scores > 0.5
         lengths = response_mask.sum(-1)
+        components = {name: torch.tensor([r.components.get(name, 0.0) for r in rows], dtype=torch.float32)
+                      for name in _component_names(rows)}
         return RolloutBatch(
             input_ids=torch.cat([prompt_ids, completion], dim=1),
             attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),
@@ -555,6 +575,8 @@ class RolloutDataModule(pl.LightningDataModule):
             temperature=self.sampling.temperature,
             completions=[r.text for r in rows],
             answers=[r.answer for r in rows],
+            verdicts=[r.verdict for r in rows],
+            reward_components=components,
             engine_logprobs=engine_logprobs,
             behaviour_logprobs=behaviour[0],
             behaviour_entropy=behaviour[1],
@@ -564,6 +586,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 "reward/accuracy": correct.float().mean().item(),
                 "rollout/response_length": lengths.mean().item(),
                 "rollout/response_length_max": lengths.max().item(),
+                **{f"reward/{name}": values.mean().item() for name, values in components.items()},
             },
         )
 

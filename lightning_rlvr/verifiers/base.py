@@ -1,9 +1,10 @@
 """Verifier interface and a runner that survives verifiers which crash or hang.
 
-A :class:`Verifier` maps ``(completion_text, reference_answer)`` to a scalar reward. The
-:class:`VerifierRunner` calls it for a whole batch and guarantees that training goes on whatever the
-verifier does: an exception, a non-finite reward or a call past its time limit gives reward 0 and is
-counted (logged as ``reward/verifier_errors``).
+A :class:`Verifier` maps ``(completion_text, reference_answer)`` to a scalar reward, or to a dict of named
+reward components (``{"correct": 1.0, "format": 0.1}``) whose sum is the reward; the DataModule logs each
+component's batch mean as ``reward/<name>``. The :class:`VerifierRunner` calls it for a whole batch and
+guarantees that training goes on whatever the verifier does: an exception, a non-finite reward or a call past
+its time limit gives reward 0 (and no components) and is counted (logged as ``reward/verifier_errors``).
 
 How a verifier runs is its ``isolation``:
 
@@ -25,15 +26,47 @@ import multiprocessing
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 # Imported by name: concurrent.futures loads its process module lazily, so cf.process may not exist yet.
 from concurrent.futures.process import BrokenProcessPool
 from typing import Literal
 
-__all__ = ["CallableVerifier", "Isolation", "Verifier", "VerifierRunner"]
+__all__ = ["RESERVED_REWARD_NAMES", "CallableVerifier", "Isolation", "Score", "Verdict", "Verifier", "VerifierRunner"]
 
 Isolation = Literal["inline", "thread", "process"]
+
+#: What a verifier's ``score`` returns: a reward, or named reward components summed into the reward.
+Score = float | Mapping[str, float]
+
+#: Metric names under ``reward/`` that the DataModule logs itself; a reward component may not take one.
+RESERVED_REWARD_NAMES = frozenset({"mean", "accuracy", "verifier_errors"})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One completion's verification.
+
+    Attributes:
+        reward: the reward (the sum of ``components`` when the verifier returned components).
+        components: the named components, empty for a verifier that returns a float (and after a failure).
+        failed: the verifier raised, hung, returned a non-finite value, or its worker died (reward 0).
+    """
+
+    reward: float
+    components: dict[str, float] = field(default_factory=dict)
+    failed: bool = False
+
+
+_FAILED = Verdict(0.0, {}, True)
+
+
+def _as_score(value: Score) -> Score:
+    """A verifier's return value as plain, picklable data: a float or a ``{name: float}`` dict."""
+    if isinstance(value, Mapping):
+        return {str(name): float(component) for name, component in value.items()}
+    return float(value)
 
 
 class Verifier(ABC):
@@ -45,8 +78,13 @@ class Verifier(ABC):
     isolation: Isolation = "thread"
 
     @abstractmethod
-    def score(self, completion: str, answer: str) -> float:
-        """Reward of ``completion`` (text up to, not including, the first EOS) given ``answer``."""
+    def score(self, completion: str, answer: str) -> Score:
+        """Reward of ``completion`` (text up to, not including, the first stop token) given ``answer``.
+
+        Returns a float, or a dict of named components (``{"correct": 1.0, "format": 0.1}``) whose sum is the
+        reward; each is logged as ``reward/<name>``. A name must be a non-empty string without ``/`` and not one of
+        :data:`RESERVED_REWARD_NAMES`.
+        """
 
     def answer_key(self, completion: str) -> str:
         """The answer a completion gives, as a key for majority voting (maj@k): equal keys = the same answer.
@@ -57,14 +95,14 @@ class Verifier(ABC):
 
 
 class CallableVerifier(Verifier):
-    """Wraps a user function ``fn(completion, answer) -> float`` (or an import path ``"pkg.mod:fn"``).
+    """Wraps a user function ``fn(completion, answer) -> float | dict[str, float]`` (or ``"pkg.mod:fn"``).
 
     Args:
         fn: the function, or ``"module:function"`` so that it can be named in YAML.
         isolation: how to run it (default ``"thread"``: user code may hang).
     """
 
-    def __init__(self, fn: Callable[[str, str], float] | str, isolation: Isolation = "thread") -> None:
+    def __init__(self, fn: Callable[[str, str], Score] | str, isolation: Isolation = "thread") -> None:
         if isinstance(fn, str):
             module_name, sep, attr = fn.partition(":")
             if not sep:
@@ -77,8 +115,8 @@ class CallableVerifier(Verifier):
         self.fn = fn
         self.isolation = isolation
 
-    def score(self, completion: str, answer: str) -> float:
-        return float(self.fn(completion, answer))
+    def score(self, completion: str, answer: str) -> Score:
+        return _as_score(self.fn(completion, answer))
 
 
 class _CallTimeout(Exception):
@@ -98,12 +136,12 @@ def _raise_timeout(signum, frame):  # pragma: no cover - runs in a worker proces
     raise _CallTimeout()
 
 
-def _score_in_worker(verifier: Verifier, completion: str, answer: str, timeout_s: float) -> float:
+def _score_in_worker(verifier: Verifier, completion: str, answer: str, timeout_s: float) -> Score:
     """Runs in a worker process's main thread: a real per-call time limit via an interval timer."""
     signal.signal(signal.SIGALRM, _raise_timeout)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return float(verifier.score(completion, answer))
+        return _as_score(verifier.score(completion, answer))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 
@@ -175,49 +213,68 @@ class VerifierRunner:
             rank_zero_warn(f"{type(self.verifier).__name__}: {message} (reward 0; counted in reward/verifier_errors)")
             self._warned = True
 
-    def _check(self, value: float, index: int) -> tuple[float, bool]:
-        if not math.isfinite(value):
+    def _check(self, value: Score, index: int) -> Verdict:
+        """The verdict of one returned value; a malformed component name is the verifier's bug and raises."""
+        try:
+            value = _as_score(value)
+        except (TypeError, ValueError) as err:
+            self._warn(f"returned {value!r} for completion {index}, not a float or a dict of floats ({err})")
+            return _FAILED
+        components = value if isinstance(value, dict) else {}
+        for name in components:
+            if not name or "/" in name or name in RESERVED_REWARD_NAMES:
+                raise ValueError(f"{type(self.verifier).__name__} returned a reward component named {name!r}: "
+                                 f"names are logged as reward/<name>, so they must be non-empty, without '/', and "
+                                 f"not one of {sorted(RESERVED_REWARD_NAMES)}")
+        reward = sum(components.values()) if isinstance(value, dict) else value
+        if not math.isfinite(reward):
             self._warn(f"returned a non-finite reward {value} for completion {index}")
-            return 0.0, True
-        return value, False
+            return _FAILED
+        return Verdict(reward, components)
 
-    def score_batch(self, completions: Sequence[str], answers: Sequence[str]) -> tuple[list[float], int]:
-        """Rewards for a batch and the number of calls that failed (raised, hung or were non-finite)."""
+    def verify_batch(self, completions: Sequence[str], answers: Sequence[str]) -> list[Verdict]:
+        """One :class:`Verdict` per completion: its reward, its named components, whether the call failed."""
         if len(completions) != len(answers):
             raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
         if self.verifier.isolation == "inline":
             return self._score_inline(completions, answers)
-        return self._score_pooled(completions, answers)
+        if self.verifier.isolation == "process":
+            return self._score_processes(completions, answers)
+        return self._score_threads(completions, answers)
 
-    def _score_inline(self, completions, answers) -> tuple[list[float], int]:
-        rewards, errors = [], 0
+    def score_batch(self, completions: Sequence[str], answers: Sequence[str]) -> tuple[list[float], int]:
+        """Rewards for a batch and the number of calls that failed (raised, hung or were non-finite)."""
+        verdicts = self.verify_batch(completions, answers)
+        return [v.reward for v in verdicts], sum(v.failed for v in verdicts)
+
+    def _score_inline(self, completions, answers) -> list[Verdict]:
+        verdicts = []
         for i, (c, a) in enumerate(zip(completions, answers)):
             try:
-                value, failed = self._check(float(self.verifier.score(c, a)), i)
+                value = self.verifier.score(c, a)
             except Exception as err:  # noqa: BLE001 - any verifier failure is a zero reward
                 self._warn(f"raised {type(err).__name__}: {err}")
-                value, failed = 0.0, True
-            rewards.append(value)
-            errors += failed
-        return rewards, errors
+                verdicts.append(_FAILED)
+                continue
+            verdicts.append(self._check(value, i))
+        return verdicts
 
-    def _outcome(self, future: cf.Future, index: int) -> tuple[float, bool]:
-        """A finished call's reward and whether it failed (raised, timed out, non-finite, or its worker died)."""
+    def _outcome(self, future: cf.Future, index: int) -> Verdict:
+        """A finished call's verdict (failed if it raised, timed out, was non-finite, or its worker died)."""
         try:
-            return self._check(float(future.result()), index)
+            value = future.result()
         except _CallTimeout:
             self._warn(f"exceeded its time limit of {self.timeout_s}s")
         except BrokenProcessPool as err:
             self._warn(f"worker process died ({err})")
         except Exception as err:  # noqa: BLE001 - any verifier failure is a zero reward
             self._warn(f"raised {type(err).__name__}: {err}")
-        return 0.0, True
+        else:
+            return self._check(value, index)
+        return _FAILED
 
-    def _score_pooled(self, completions, answers) -> tuple[list[float], int]:
-        if self.verifier.isolation == "process":
-            return self._score_processes(completions, answers)
-        rewards = [0.0] * len(completions)
-        errors = 0
+    def _score_threads(self, completions, answers) -> list[Verdict]:
+        verdicts = [_FAILED] * len(completions)
         futures: dict[cf.Future, int] = {}
         started: dict[int, float] = {}  # when each call began (its own time limit)
 
@@ -236,16 +293,14 @@ class VerifierRunner:
             done, not_done = cf.wait(not_done, timeout=0.05, return_when=cf.FIRST_COMPLETED)
             for future in done:
                 index = futures[future]
-                rewards[index], failed = self._outcome(future, index)
-                errors += failed
+                verdicts[index] = self._outcome(future, index)
             now = time.monotonic()
             overdue = {f for f in not_done if futures[f] in started and now - started[futures[f]] > self.timeout_s}
             if not overdue:
                 continue
             self._warn(f"exceeded its time limit of {self.timeout_s}s")
             for future in overdue:
-                rewards[futures[future]] = 0.0
-                errors += 1
+                verdicts[futures[future]] = _FAILED
             not_done -= overdue
             # Calls queued behind a hung one get a fresh pool; calls already running keep running.
             requeue = [futures[f] for f in list(not_done) if f.cancel()]
@@ -253,9 +308,9 @@ class VerifierRunner:
             self._discard_pool()
             if requeue:
                 not_done |= submit(requeue)
-        return rewards, errors
+        return verdicts
 
-    def _score_processes(self, completions, answers) -> tuple[list[float], int]:
+    def _score_processes(self, completions, answers) -> list[Verdict]:
         """Process isolation: at most one call in flight per worker, so a call past its limit is the stuck one.
 
         The in-worker timer ends a call at ``timeout_s``. A worker stuck in C code, where the timer cannot
@@ -263,8 +318,7 @@ class VerifierRunner:
         pool; the stuck call scores 0 and the calls that were in flight on other workers or still waiting go on
         in a fresh pool.
         """
-        rewards = [0.0] * len(completions)
-        errors = 0
+        verdicts = [_FAILED] * len(completions)
         waiting = list(range(len(completions)))
         running: dict[cf.Future, tuple[int, float]] = {}  # future -> (call index, when it was handed to a worker)
         while waiting or running:
@@ -278,8 +332,7 @@ class VerifierRunner:
             broken = False
             for future in done:
                 index, _ = running.pop(future)
-                rewards[index], failed = self._outcome(future, index)
-                errors += failed
+                verdicts[index] = self._outcome(future, index)
                 broken |= isinstance(future.exception(), BrokenProcessPool)
             now = time.monotonic()
             stuck = [f for f, (_, handed) in running.items() if now - handed > self.timeout_s + _KILL_GRACE_S]
@@ -287,9 +340,9 @@ class VerifierRunner:
                 self._warn(f"exceeded its time limit of {self.timeout_s}s and was killed")
                 for future in stuck:
                     index, _ = running.pop(future)
-                    rewards[index], errors = 0.0, errors + 1
+                    verdicts[index] = _FAILED
             if stuck or broken:
                 waiting = [index for index, _ in running.values()] + waiting  # innocent calls in flight: again
                 running = {}
                 self._discard_pool()
-        return rewards, errors
+        return verdicts

@@ -248,3 +248,33 @@ def test_close_is_idempotent_and_runner_restarts_its_pool(make_runner):
     runner.close()
     runner.close()
     assert runner.score_batch(["a"], ["b"]) == ([0.0], 0)
+
+
+# ----------------------------------------------------------------------------- named reward components
+def correctness_and_format(completion: str, answer: str) -> dict[str, float]:
+    """Two named components: 1 for the right answer, 0.1 for an all-digit answer."""
+    return {"correct": float(completion == answer), "format": 0.1 if completion.isdigit() else 0.0}
+
+
+@pytest.mark.parametrize("isolation", ["inline", "thread", "process"])
+def test_named_components_are_kept_and_sum_to_the_reward(make_runner, isolation):
+    runner = make_runner(CallableVerifier(correctness_and_format, isolation=isolation), num_workers=1)
+    verdicts = runner.verify_batch(["12", "13", "x"], ["12", "12", "12"])
+    assert [v.components for v in verdicts] == [{"correct": 1.0, "format": 0.1}, {"correct": 0.0, "format": 0.1},
+                                                {"correct": 0.0, "format": 0.0}]
+    assert [v.reward for v in verdicts] == [1.1, 0.1, 0.0]
+    assert not any(v.failed for v in verdicts)
+    assert runner.score_batch(["12"], ["12"]) == ([1.1], 0)
+
+
+@pytest.mark.parametrize("name", ["mean", "accuracy", "verifier_errors", "", "a/b"])
+def test_a_component_name_that_cannot_be_logged_fails_naming_it(make_runner, name):
+    runner = make_runner(CallableVerifier(lambda c, a: {name: 1.0}, isolation="inline"))
+    with pytest.raises(ValueError, match=f"component named {name!r}"):
+        runner.verify_batch(["a"], ["a"])
+
+
+def test_a_non_finite_component_fails_the_call_without_components(make_runner):
+    runner = make_runner(CallableVerifier(lambda c, a: {"correct": 1.0, "format": math.nan}, isolation="inline"))
+    (verdict,) = runner.verify_batch(["a"], ["a"])
+    assert (verdict.reward, verdict.components, verdict.failed) == (0.0, {}, True)
