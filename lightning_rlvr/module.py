@@ -62,6 +62,7 @@ from lightning_rlvr.callbacks.base import (
     detached,
 )
 from lightning_rlvr.data.batch import RolloutBatch
+from lightning_rlvr.loggers import completions_artifact, completions_table, log_table
 from lightning_rlvr.lora import LoRA, attach_lora, is_lora, merge_adapter_state
 from lightning_rlvr.lora import as_dict as lora_settings
 from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
@@ -207,6 +208,12 @@ class RLVRModule(pl.LightningModule):
             dict; needs ``peft``): only the adapter reaches the optimizer, the reference of a KL term or of
             ``Needs(ref_logprobs=True)`` is the policy with its adapter off (no second model is loaded), checkpoints
             hold the adapter, and vLLM receives merged weights.
+        log_completions_every_n_steps: every this many rollout steps (from step 0), log the first
+            ``log_completions_max_rows`` completions of the step as the table ``completions/step_<step>.json`` of the
+            run (MLflow: a table artifact; :func:`~lightning_rlvr.loggers.completions_table` lists its columns:
+            prompt, completion cut at its stop, reward, verdict, length, mean token entropy, reward components).
+            ``None`` or 0: never. Rank 0's rows only.
+        log_completions_max_rows: rows per logged step (whole groups first).
     """
 
     def __init__(
@@ -238,6 +245,8 @@ class RLVRModule(pl.LightningModule):
         engine_is_cap: float | None = None,
         engine_is_mode: EngineISMode = "token_truncate",
         lora: LoRA | dict | None = None,
+        log_completions_every_n_steps: int | None = 50,
+        log_completions_max_rows: int = 64,
     ) -> None:
         super().__init__()
         self._validate(locals())
@@ -313,6 +322,11 @@ class RLVRModule(pl.LightningModule):
         if args["share_prompt_forward"] not in (True, False, "auto"):
             raise ValueError(f"RLVRModule: share_prompt_forward must be True, False or 'auto', "
                              f"got {args['share_prompt_forward']!r}")
+        if args["log_completions_every_n_steps"] is not None and args["log_completions_every_n_steps"] < 0:
+            raise ValueError(f"RLVRModule: log_completions_every_n_steps must be >= 0 or None, "
+                             f"got {args['log_completions_every_n_steps']}")
+        if args["log_completions_max_rows"] < 1:
+            raise ValueError(f"RLVRModule: log_completions_max_rows must be >= 1, got {args['log_completions_max_rows']}")
         if args["model"] not in _BUILTIN_BUILDERS and args["tiny_model"] is not None:
             raise ValueError(f"RLVRModule: tiny_model is only used with a built-in model {sorted(_BUILTIN_BUILDERS)}, "
                              f"not with {args['model']!r}")
@@ -331,7 +345,7 @@ class RLVRModule(pl.LightningModule):
     def configure_model(self) -> None:
         """Load the policy (and, only when a KL term or an intervention needs it, the frozen reference). Idempotent.
 
-        Under Lightning's strategies (README "Several GPUs"):
+        Under Lightning's strategies (docs/scaling.md):
 
         - ``ModelParallelStrategy`` (FSDP2): both models are sharded here with ``fully_shard``, one unit per
           transformer block, on the data-parallel mesh; the reference is sharded like the policy.
@@ -760,6 +774,10 @@ class RLVRModule(pl.LightningModule):
         metrics = self._step_metrics(rollout, entropy, sums, applied, skipped, n_updates)
         metrics.update(ctx.metrics.means())
         self.log_step_metrics(metrics)
+        every = hp.log_completions_every_n_steps
+        if every and ctx.step % every == 0 and self.trainer.is_global_zero and self.trainer.loggers:
+            table = completions_table(rollout, entropy, self.tokenizer, ctx.step, hp.log_completions_max_rows)
+            log_table(self.trainer.loggers, table, completions_artifact(ctx.step))
         # self.log costs ~1 ms a step (tiny model: 4%): only for a progress bar or a callback that monitors a key
         trainer = self.trainer
         if trainer.progress_bar_callback is not None or any(getattr(cb, "monitor", None) for cb in trainer.callbacks):
