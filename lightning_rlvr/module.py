@@ -711,7 +711,7 @@ class RLVRModule(pl.LightningModule):
                             top2_gap=stats.top2_gap,
                             ref_logprobs=None if ref_logprobs is None else ref_logprobs[micro_index],
                             policy_loss=pl_out, weights=torch.ones_like(m), aggregate=aggregate,
-                            minibatch=view, rows=rows,
+                            minibatch=view, rows=rows, share_scale=len(micro_indices) * self.trainer.world_size,
                         )
                         pg_loss, extra = self._apply_interventions(interventions, mctx)
                         sums["extra"] = sums.get("extra", 0.0) + extra.item()

@@ -235,6 +235,7 @@ class MicroBatchContext:
         minibatch: the whole minibatch's statistics when some callback needs ``minibatch_stats``
             (:meth:`statistics_view`).
         rows: ``(b,)`` positions of this micro-batch's rows in ``minibatch``.
+        share_scale: micro-batches in the minibatch × ranks (see :meth:`log_share`).
     """
 
     step: StepContext
@@ -255,10 +256,18 @@ class MicroBatchContext:
     top2_gap: Tensor | None = None
     minibatch: MinibatchView | None = None
     rows: Tensor | None = None
+    share_scale: float = 1.0
     _own_view: MinibatchView | None = None
 
     def log(self, name: str, value: float | Tensor) -> None:
+        """Record a scalar metric (values logged several times in a step are averaged)."""
         self.step.log(name, value)
+
+    def log_share(self, name: str, value: float | Tensor) -> None:
+        """Record this micro-batch's *share* of a minibatch-wide quantity, e.g. an extra loss term built with
+        :attr:`aggregate` (whose normaliser is the whole minibatch's on all ranks): the metric is the whole
+        minibatch's value, however many micro-batches and ranks it is split over (mean over the step's minibatches)."""
+        self.step.log(name, value * self.share_scale)
 
     def statistics_view(self, scope: StatisticsScope = "minibatch") -> tuple[MinibatchView, Tensor]:
         """``(view, rows)``: the statistics a batch-level selection is taken over, and this micro-batch's rows in it.

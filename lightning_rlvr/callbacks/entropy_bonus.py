@@ -52,5 +52,5 @@ class EntropyBonus(Intervention):
     @override
     def extra_loss(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: MicroBatchContext) -> Tensor:
         term = -self.coef * ctx.aggregate(ctx.entropy)
-        ctx.log(self.log_name("loss"), term.detach())
+        ctx.log_share(self.log_name("loss"), term.detach())
         return term

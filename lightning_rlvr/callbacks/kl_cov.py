@@ -71,7 +71,7 @@ class KLCov(Intervention):
         penalised = view.once(self, lambda: self._penalised(view, ctx))[rows]
         abs_kl = (ctx.logprobs - ctx.old_logprobs).abs()
         term = ctx.aggregate(self.coef * abs_kl * penalised)
-        ctx.log(self.log_name("loss"), term.detach())
+        ctx.log_share(self.log_name("loss"), term.detach())
         return term
 
     def _penalised(self, view: MinibatchView, ctx: MicroBatchContext) -> Tensor:
