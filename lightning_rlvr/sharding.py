@@ -28,10 +28,13 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["block_classes", "fsdp2_shard", "full_weights", "global_grad_norm", "is_dtensor", "is_sharded", "is_zero3"]
 
@@ -75,7 +78,7 @@ def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     return found
 
 
-def fsdp2_shard(model: nn.Module, mesh, reshard_after_forward: bool = True) -> nn.Module:
+def fsdp2_shard(model: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool = True) -> nn.Module:
     """Apply FSDP2 ``fully_shard`` to each transformer block of ``model``, then to ``model`` itself (in place).
 
     One unit per block bounds the gathered parameters to a block at a time (plus the root's embeddings and

@@ -205,7 +205,7 @@ def test_gpu_vllm_configs_train_on_the_chat_model_with_the_vllm_stand_in(config,
 
 @pytest.mark.slow
 def test_the_chat_quickstart_learns_through_the_chat_template(monkeypatch, tmp_path):
-    """configs/quickstart_chat.yaml, its first 450 steps (the full run: README): warm start, then GRPO on the chat
+    """configs/quickstart_chat.yaml, its first 450 steps (the full run: docs/quickstart.md): warm start, then GRPO on the chat
     model, with held-out accuracy measured before and after (measured: 0.075 -> 0.136; rollout reward of the first
     and last 100 steps 0.041 -> 0.065, each a mean over 12,800 completions)."""
     monkeypatch.chdir(tmp_path)

@@ -38,3 +38,16 @@ def test_the_vllm_extra_needs_a_vllm_whose_processed_logprobs_are_after_temperat
     (requirement,) = [Requirement(r) for r in project["optional-dependencies"]["vllm"]]
     assert requirement.name == "vllm"
     assert not requirement.specifier.contains("0.10.1") and requirement.specifier.contains("0.10.2")
+
+
+@pytest.mark.slow
+def test_the_readmes_python_example_runs(tmp_path, monkeypatch):
+    """The stacked-callbacks example on the landing page, two steps instead of 500."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    assert "max_steps=500" in code and "ClipCov" in code
+    monkeypatch.chdir(tmp_path)  # Lightning writes its logs under the working directory
+    exec(code.replace("max_steps=500", "max_steps=2, logger=False, enable_checkpointing=False"), {})

@@ -1,4 +1,4 @@
-"""The GPU scripts start and explain themselves on a machine without a GPU (their checks need one)."""
+"""The scripts start and explain themselves; the GPU ones dry-run on the stand-ins (their real checks need a GPU)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,31 @@ def test_the_vllm_smoke_script_runs_end_to_end_on_the_stand_in(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(lines) == 7 and all(line.startswith("PASS") for line in lines), lines  # checks 1-4 and the verdict
+
+
+def test_the_quickstart_figure_is_drawn_from_the_runs_mlflow_record(tmp_path):
+    import math
+
+    from mlflow.tracking import MlflowClient
+
+    from lightning_rlvr.plots import _rolling_mean
+
+    assert _rolling_mean([1.0, math.nan, 3.0, 5.0], 2) == [1.0, 1.0, 2.0, 4.0]  # NaN steps are skipped
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.create_run(client.create_experiment("quickstart"))
+    for step in range(10):
+        client.log_metric(run.info.run_id, "entropy/failed", 1.0 - step / 20, step=step)
+        client.log_metric(run.info.run_id, "entropy/successful", 0.5 - step / 20, step=step)
+    for step, accuracy in ((0, 0.05), (9, 0.8)):
+        client.log_metric(run.info.run_id, "val/accuracy", accuracy, step=step)
+    client.set_terminated(run.info.run_id)
+    out = tmp_path / "figure.png"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_figure.py"), "--tracking-uri", uri,
+                           "--out", str(out), "--window", "3"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "10 steps, held-out accuracy 0.050 -> 0.800" in done.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "quickstart_figure.py"), "--tracking-uri", uri,
+                              "--experiment", "nope"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert missing.returncode != 0 and "no experiment 'nope'" in missing.stderr

@@ -80,7 +80,9 @@ def predicted_entropy_flow(
 
     Args:
         advantages: ``A`` per token.
-        logprobs, entropy, sbar: ``log π(a)``, ``H`` and ``S̄`` of the policy the step starts from.
+        logprobs: ``log π(a)`` of the policy the step starts from.
+        entropy: ``H`` of that policy.
+        sbar: ``S̄`` of that policy.
         ratio: ``r = π/π_old`` (``None``: 1, the behaviour policy's own first step).
         clipped: boolean, tokens whose gradient the PPO clip cuts off (their ``c_t`` is 0).
     """

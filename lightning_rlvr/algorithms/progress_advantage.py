@@ -21,7 +21,7 @@ response's total uncertainty token ``t`` is, binned into ``K`` equal bins. ``s_i
 ``−1`` for a failure: in a zero-variance group the signal still follows the outcome (an all-failed group is
 pulled back toward the reference, an all-solved one is reinforced where it moved).
 
-Two choices were measured, not guessed (README, quickstart setting): the first design signed zero-variance groups
+Two choices were measured, not guessed (docs/interventions/ep_grpo.md, quickstart setting): the first design signed zero-variance groups
 ``+1`` whatever their outcome and z-scored each cell. Both feed back: on all-failed groups ``+tanh(d)`` rewards
 whatever the policy already moved toward, and dividing by ``σ_{q,b}`` blows the ``γ``-weighted signal of a
 zero-variance group up to unit scale. With the reference at the warmed-up policy, seed 0: the first design
@@ -59,7 +59,8 @@ def divergence_signal(old_logprobs: Tensor, ref_logprobs: Tensor, sequence_advan
     """``p_t``: the bounded policy-vs-reference log-ratio, signed by the outcome.
 
     Args:
-        old_logprobs, ref_logprobs: ``(N, T)``.
+        old_logprobs: ``(N, T)`` log-probs of the behaviour policy.
+        ref_logprobs: ``(N, T)`` log-probs of the reference.
         sequence_advantages: ``(N,)`` or ``(N, T)`` outcome advantages (only their sign is used).
         temperature: ``τ_d > 0``, the log-ratio scale at which ``tanh`` saturates.
         correct: ``(N,)`` bool, the verifier outcome: the sign ``s_i`` where the advantage is 0. ``None`` leaves

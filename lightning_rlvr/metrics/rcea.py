@@ -25,7 +25,7 @@ is a collective, call it on every rank.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -48,8 +48,8 @@ __all__ = [
 
 
 # -- functional forms ----------------------------------------------------------------------------------------
-def bootstrap_ci(samples: Tensor, statistic=None, num_resamples: int = 1000, confidence: float = 0.95,
-                 seed: int = 0, weights: Tensor | None = None) -> tuple[float, float]:
+def bootstrap_ci(samples: Tensor, statistic: Callable[[Tensor], Tensor] | None = None, num_resamples: int = 1000,
+                 confidence: float = 0.95, seed: int = 0, weights: Tensor | None = None) -> tuple[float, float]:
     """Percentile bootstrap interval of ``statistic`` over the rows of ``samples`` (resampled with replacement).
 
     Args:
@@ -247,7 +247,10 @@ class PairedEntropyRatio(Metric):
     is the ratio of its two token means. ``compute()`` returns :func:`paired_ratio_summary`'s dict (tensors).
 
     Args:
-        num_resamples, confidence, seed: of the bootstrap over paired questions.
+        num_resamples: resamples of the bootstrap over paired questions.
+        confidence: its two-sided level.
+        seed: its seed.
+        **kwargs: passed to ``torchmetrics.Metric``.
     """
 
     is_differentiable = False
