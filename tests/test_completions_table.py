@@ -114,9 +114,10 @@ def test_completions_are_cut_at_the_stop_and_scored_as_the_verifier_saw_them(tab
         assert rows["reward/format"].tolist() == pytest.approx([0.1, 0.1, 0.0, 0.1] * 2)
         assert rows["reward"].tolist() == pytest.approx([1.1, 1.1, 0.0, 0.1] * 2)
         assert not any("<|" in completion for completion in rows["completion"])
-    prompts = stored[0]["prompt"].tolist()
-    assert prompts[0] == "<|im_start|>user\n5+7=<|im_end|>\n<|im_start|>assistant\n"
-    assert prompts[4] == "<|im_start|>user\n6+6=<|im_end|>\n<|im_start|>assistant\n"
+    prompts = stored[0]["prompt"].tolist()  # the two prompts, each over its whole group, in the sampler's order
+    assert len(set(prompts[:4])) == 1 and len(set(prompts[4:])) == 1
+    assert {prompts[0], prompts[4]} == {"<|im_start|>user\n5+7=<|im_end|>\n<|im_start|>assistant\n",
+                                        "<|im_start|>user\n6+6=<|im_end|>\n<|im_start|>assistant\n"}
 
 
 def test_entropy_mean_is_the_generating_policys_mean_token_entropy(tables, fitted):

@@ -78,7 +78,7 @@ def _documented_metric_patterns() -> list[re.Pattern]:
     patterns = []
     for page in [DOCS / "metrics.md", *sorted((DOCS / "interventions").glob("*.md"))]:
         for line in page.read_text(encoding="utf-8").splitlines():
-            first_cell = re.match(r"\|\s*`([a-z_]+/[^`]+)`", line)
+            first_cell = re.match(r"\|\s*`([a-z_<][a-z_<>]*/[^`]+)`", line)
             if first_cell:
                 parts = re.split(r"(<[^>]+>)", first_cell.group(1))
                 regex = "".join("[^/]+" if p.startswith("<") else re.escape(p) for p in parts)
@@ -108,7 +108,8 @@ def _logged_metric_names() -> set[str]:
     on_policy = [
         cb.OPEFO(), cb.STEER(), cb.HAPO(), cb.PAEC(), cb.EntropyBonus(coef=1e-3), cb.AdaptiveEntropy(target=0.3),
         cb.ClipCov(ratio=0.1, lower=0.0), cb.TopEntropyTokens(), cb.GTPO(), cb.EntropyChangeProbe(),
-        cb.RCEADiagnostics(every_n_steps=2, retention_every_n_steps=3, probe_size=4, probe_samples=2, plots=False),
+        cb.RCEADiagnostics(every_n_steps=2, retention_every_n_steps=3, probe_size=4, probe_samples=2, plots=False,
+                           endpoint_samples=4, endpoint_min_per_stratum=1),
         cb.StageDetector(min_segment=2, patience=1), cb.PerplexityShaping(),
         cb.PositionShaping(active_steps=None, entropy_quantile=0.5), cb.EntropyPerformanceAnalysis(slope_window=2),
         cb.EPGRPO(),
