@@ -13,7 +13,10 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import torch
 from matplotlib.figure import Figure
+
+from lightning_rlvr.metrics.entropy_change import sign_agreement
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,11 +83,6 @@ def paired_ratio_figure(steps: Sequence[float], geometric_mean: Sequence[float],
     return fig
 
 
-def _agreement(predicted: Sequence[float], observed: Sequence[float]) -> float:
-    pairs = [(p, o) for p, o in zip(predicted, observed) if math.isfinite(p) and math.isfinite(o)]
-    return sum((p > 0) == (o > 0) for p, o in pairs) / len(pairs) if pairs else math.nan
-
-
 def entropy_change_figure(covariance: Sequence[float], flow: Sequence[float], observed: Sequence[float]) -> Figure:
     """Predicted (−covariance, flow; units of the step size) vs observed per-step entropy change, with sign agreement."""
     fig = Figure(figsize=(9, 3.5), layout="constrained")
@@ -93,7 +91,7 @@ def entropy_change_figure(covariance: Sequence[float], flow: Sequence[float], ob
         ax.axhline(0, color="grey", lw=0.8)
         ax.axvline(0, color="grey", lw=0.8)
         ax.set(xlabel=f"predicted ({name})", ylabel="observed ΔH",
-               title=f"{name}: sign agreement {_agreement(values, observed):.2f}")
+               title=f"{name}: sign agreement {sign_agreement(torch.tensor(values), torch.tensor(observed)):.2f}")
     return fig
 
 

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from lightning_rlvr.study import StudyConfigError, finished_runs, load_study, validate_runs
 from lightning_rlvr.study import report as study_report
 from lightning_rlvr.study.__main__ import main
-from lightning_rlvr.study.config import merge_method
+from lightning_rlvr.study.config import config_overrides, merge_method
 from lightning_rlvr.study.report import FAR_ABOVE, MethodSummary, findings, spearman_permutation, summarise_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,8 +30,10 @@ def shipped() -> dict:
 # -- the study file ---------------------------------------------------------------------------------------------
 def test_shipped_study_has_every_method_of_the_issue_and_every_run_config_parses():
     study = load_study(SHIPPED)
-    assert set(study.methods) == {"grpo", "dapo", "clip_cov", "kl_cov", "top_entropy_tokens", "adaptive_entropy",
-                                  "gtpo", "stage_aware", "steer", "paec", "opefo", "hapo", "ep_grpo"}
+    assert set(study.methods) == {"grpo", "dapo", "clip_cov", "clip_cov_reference", "kl_cov", "kl_cov_reference",
+                                  "top_entropy_tokens", "adaptive_entropy", "gtpo", "gtpo_group", "ppl_shaping",
+                                  "position_shaping", "stage_aware_stacked", "steer", "paec", "opefo",
+                                  "opefo_two_minibatches", "hapo", "ep_grpo"}
     assert study.seeds == (0, 1, 2) and study.report.baseline == "grpo"
     validate_runs(study)  # every method through the lightning_rlvr parser
 
@@ -115,8 +117,15 @@ def micro_study(tmp_path: Path, methods: dict) -> Path:
     return path
 
 
-def table_rows(report: str) -> dict[str, list[str]]:
-    lines = [line for line in report.splitlines() if line.startswith("| ") and not line.startswith("| method")]
+def table_rows(report: str, table: int = 0) -> dict[str, list[str]]:
+    """The rows of the report's ``table``-th method table (0: the main table, 1: finding (e)'s fits), by method."""
+    tables = report.split("| method |")[1:]
+    lines = []
+    for line in tables[table].splitlines()[1:]:  # up to the end of that table
+        if not line.startswith("|"):
+            break
+        if line.startswith("| "):
+            lines.append(line)
     return {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
 
 
@@ -143,6 +152,8 @@ def test_micro_study_report_matches_the_mlflow_runs_and_a_rerun_skips_them(tmp_p
     report = (out / "report.md").read_text()
     rows = table_rows(report)
     assert set(summary["methods"]) == {"grpo", "clip_cov"} and summary["missing_runs"] == ["broken-seed0"]
+    fits = table_rows(report, 1)  # finding (e): one fit per method, on its evaluations
+    assert set(fits) == {"grpo", "clip_cov"}
     for method in ("grpo", "clip_cov"):
         run_id = runs[method].info.run_id
 
@@ -161,6 +172,7 @@ def test_micro_study_report_matches_the_mlflow_runs_and_a_rerun_skips_them(tmp_p
         assert got["run_id"] == run_id
         for key, value in expected.items():
             assert got[key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
+        assert int(fits[method][-1]) == len(history("val/accuracy"))  # one point per evaluation
         # The Markdown table shows the same numbers (one seed: sd 0).
         assert rows[method][1] == f"{expected['accuracy']:.3f} ± 0.000"
         assert rows[method][5] == f"{expected['final_entropy']:.3f} ± 0.000"
@@ -241,6 +253,8 @@ def test_findings_apply_their_stated_rules():
     assert (result["b"]["blocks"], result["b"]["block_agreement_cov"], result["b"]["block_agreement_flow"],
             result["b"]["block_majority_rate"]) == (7, 0.0, 0.0, 1.0)
     assert result["b"]["correlation_cov"] == pytest.approx(1.0)
+    # seven identical blocks: no variance, so no block correlation (NaN, shown as "–"), never a spurious number
+    assert all(math.isnan(result["b"][f"block_{kind}_{p}"]) for kind in ("pearson", "spearman") for p in ("cov", "flow"))
     assert result["c"]["verdict"] == "reproduced"
     # keeper only slightly above GRPO in every seed: "partly"; below in one seed: "not reproduced"
     methods["clip_cov"] = MethodSummary.of("clip_cov", [fake_run("clip_cov", s, 0.12, 0.6) for s in range(3)])
@@ -275,3 +289,112 @@ def test_spearman_against_the_rank_difference_formula_and_exact_permutations():
     extreme = sum(abs(1 - 6 * sum((a - b) ** 2 for a, b in zip(rank(x), perm)) / 120) >= abs(rho) - 1e-12
                   for perm in itertools.permutations(range(5)))
     assert p == pytest.approx(extreme / 120, abs=0.015)
+
+
+def test_the_entropy_performance_points_and_opefo_lambda_of_a_run():
+    history = fake_history(0.2, 0.7)
+    history["opefo/lambda"] = [(0, 0.5), (1, 0.3), (2, math.nan)]
+    run = summarise_run("opefo", 0, "x", history, late_window=50)
+    entropy = dict(history["entropy/token_mean"])
+    # each evaluation against the mean entropy of the 50 steps up to it (step 0: the first step's)
+    expected = [(entropy[0], 0.1), (statistics.fmean(entropy[s] for s in range(51, 101)), 0.5),
+                (statistics.fmean(entropy[s] for s in range(150, 200)), 0.7)]
+    assert run.tradeoff_points == [pytest.approx(p) for p in expected]
+    assert run.opefo_lambda == pytest.approx(0.4) and math.isnan(fake_run("grpo", 0, 0.2, 0.7).opefo_lambda)
+
+
+def curve_run(method, seed, a, b, entropies):
+    """A run whose evaluations lie exactly on R = −a·exp(H) + b, one per 100 steps at constant entropy."""
+    steps = 100 * len(entropies)
+    history = fake_history(0.2, 0.7)
+    history["entropy/token_mean"] = [(s, entropies[s // 100]) for s in range(steps)]
+    history["val/accuracy"] = [(100 * i + 99, -a * math.exp(h) + b) for i, h in enumerate(entropies)]
+    return summarise_run(method, seed, f"{method}{seed}", history, late_window=50)
+
+
+def test_finding_e_fits_r_equals_minus_a_exp_h_plus_b_and_applies_its_rule():
+    study = load_study({**shipped(), "report": {"baseline": "grpo", "entropy_keepers": ["clip_cov"]}})
+    grpo = [curve_run("grpo", s, 0.3, 1.1, [0.9 - 0.2 * i - 0.05 * s for i in range(4)]) for s in range(3)]
+    rising = [curve_run("clip_cov", 0, -0.2, 0.2, [0.2, 0.4, 0.6])]  # accuracy rises with entropy: a < 0
+    methods = {"grpo": MethodSummary.of("grpo", grpo), "clip_cov": MethodSummary.of("clip_cov", rising)}
+    result = findings(study, methods)["e"]
+    assert result["verdict"] == "reproduced"
+    assert (result["fits"]["grpo"]["a"], result["fits"]["grpo"]["b"], result["fits"]["grpo"]["r2"],
+            result["fits"]["grpo"]["n"]) == pytest.approx((0.3, 1.1, 1.0, 12))
+    assert result["fits"]["clip_cov"]["a"] == pytest.approx(-0.2)
+    table = study_report.tradeoff_table(result)
+    assert "| grpo | 0.300 | 1.100 | 1.00 | 0.800 | 12 |" in table
+    methods["grpo"] = MethodSummary.of("grpo", rising)
+    assert findings(study, methods)["e"]["verdict"] == "not reproduced"
+
+
+def test_finding_d_is_never_reproduced_by_a_large_p_and_reports_rho_without_broken_methods():
+    study = load_study({**shipped(), "report": {"baseline": "grpo", "entropy_keepers": ["clip_cov"]}})
+    # accuracy falls with entropy over four working methods; a fifth broke down (accuracy < half of grpo's)
+    levels = {"grpo": (0.1, 0.60), "clip_cov": (0.2, 0.55), "kl_cov": (0.3, 0.50), "gtpo": (0.4, 0.45),
+              "top_entropy_tokens": (0.9, 0.10)}
+    methods = {m: MethodSummary.of(m, [fake_run(m, 0, h, acc)]) for m, (h, acc) in levels.items()}
+    result = findings(study, methods)["d"]
+    assert result["left_out"] == ["top_entropy_tokens"] and result["rho_without_left_out"] == pytest.approx(-1.0)
+    assert result["rho"] == pytest.approx(-1.0) and result["verdict"] in ("no relation detected", "not reproduced")
+    assert result["verdict"] != "reproduced"
+    assert result["rho_ci_low"] <= result["rho"] <= result["rho_ci_high"]
+    expected = "no relation detected" if result["p"] >= 0.05 else "not reproduced"
+    assert result["verdict"] == expected
+
+
+# -- where a study's run differs from the method's own config -----------------------------------------------------
+def test_config_overrides_fill_in_defaults_and_compare_callbacks_by_class():
+    own = {"model": {"clip_high": 0.28, "learning_rate": 3e-4},
+           "trainer": {"max_steps": 100, "log_every_n_steps": 5,
+                       "callbacks": [{"class_path": "lightning_rlvr.callbacks.ClipCov", "init_args": {"ratio": 0.4}},
+                                     {"class_path": "lightning_rlvr.callbacks.HAPO"}]}}
+    run = {"model": {"clip_high": 0.2, "clip_low": 0.2, "learning_rate": 3e-4},  # clip_low 0.2 is the default
+           "data": {"val_samples": 2},                                            # evaluation only
+           "trainer": {"max_steps": 100, "log_every_n_steps": 1,
+                       "callbacks": [{"class_path": "lightning_rlvr.callbacks.ClipCov",
+                                      "init_args": {"ratio": 0.4, "lower": 1.0, "upper": 4.0}},  # lower 1.0: default
+                                     {"class_path": "lightning_rlvr.callbacks.RCEADiagnostics"},
+                                     {"class_path": "lightning_rlvr.callbacks.GTPO"}]}}
+    assert config_overrides(own, run, shared_callbacks=("RCEADiagnostics",)) == [
+        "model.clip_high: 0.28 → 0.2", "ClipCov.upper: 5.0 → 4.0", "without HAPO", "with GTPO"]
+    assert config_overrides(own, own) == []
+
+
+def test_the_shipped_studys_overrides_against_the_configs_it_reads():
+    study = load_study(ROOT / "configs/study.yaml")
+    assert study.report.method_configs == "configs"
+    overrides = study_report.method_overrides(study)
+    assert overrides["grpo"] is None  # no configs/grpo.yaml
+    for method in ("steer", "gtpo", "top_entropy_tokens", "clip_cov", "kl_cov"):
+        own = yaml.safe_load((ROOT / f"configs/{method}.yaml").read_text())
+        # the study runs each method's own clip settings; its length is the study's, and the column says so
+        assert not any(o.startswith(("model.clip_", "model.dual_clip")) for o in overrides[method]), method
+        assert f"trainer.max_steps: {own['trainer']['max_steps']} → 1600" in overrides[method]
+    # a variant is compared with the config it varies, and its differences are the variant's
+    assert overrides["opefo_two_minibatches"][0] == "vs opefo.yaml:"
+    assert "OPEFO.strict_on_policy: true → false" in overrides["opefo_two_minibatches"]
+    assert "OPEFO.strict_on_policy: true → false" not in overrides["opefo"]  # the paper's: strictly on-policy
+    assert {"ClipCov.ratio: 0.4 → 0.0002", "model.clip_low: 0.2 → 1.0"} <= set(overrides["clip_cov_reference"])
+    assert not any(o.startswith("ClipCov.") for o in overrides["clip_cov"])  # the same Clip-Cov arguments
+    table = study_report.markdown_table(study, {})
+    assert table.splitlines()[0].endswith("| differs from configs/<method>.yaml |")
+
+
+def test_config_overrides_compare_plain_nested_settings_key_by_key():
+    own = {"model": {"tiny_model": {"hidden_size": 32, "layers": 2}}}
+    run = {"model": {"tiny_model": {"hidden_size": 64, "layers": 2}}}
+    assert config_overrides(own, run) == ["model.tiny_model.hidden_size: 32 → 64"]
+
+
+def test_the_endpoint_paired_ratio_is_preferred_when_the_run_logged_it():
+    history = fake_history(0.2, 0.7)
+    rolling = summarise_run("grpo", 0, "x", history, late_window=50)
+    assert rolling.paired_estimator == "rolling" and rolling.paired_ratio == 1.3 == rolling.rolling_paired_ratio
+    history.update({"rcea/endpoint_paired_ratio": [(99, 1.2), (199, 1.05)], "rcea/endpoint_ci_low": [(199, 0.97)],
+                    "rcea/endpoint_ci_high": [(199, 1.14)], "rcea/endpoint_coverage": [(199, 0.25)]})
+    run = summarise_run("grpo", 0, "x", history, late_window=50)
+    assert (run.paired_estimator, run.paired_ratio, run.paired_ci_low, run.paired_ci_high) == ("endpoint", 1.05,
+                                                                                                0.97, 1.14)
+    assert run.rolling_paired_ratio == 1.3 and run.endpoint_coverage == 0.25
+    assert (run.windows, run.windows_above_one) == (rolling.windows, rolling.windows_above_one)  # rolling windows

@@ -21,7 +21,15 @@ over windows of ``every_n_steps`` rollout steps, and logs at the end of each win
   (:func:`~lightning_rlvr.metrics.rcea.cluster_modes`; ``mode_similarity = 1`` = distinct normalised texts).
   On the embedded arithmetic tasks every question has a single correct text, so retention there is the
   retention of correct-answer *coverage*; on free-form reasoning it counts distinct solutions. The probe runs
-  under a forked RNG with its own seed, so it does not change the training run's random stream.
+  under a forked RNG with its own seed, so it does not change the training run's random stream. This is
+  answer-coverage retention (at most 1), not the seed paper's rarefied effective-mode ratio;
+- with ``endpoint_samples = K > 0``, at the same probes, the seed paper's **endpoint paired ratio** (its Tables
+  A4-A5): ``K`` samples of each probe question at that checkpoint, their token entropies under the policy (one
+  no-grad forward), and only the questions with at least ``endpoint_min_per_stratum`` (seed: 8) failed and as
+  many successful samples: ``rcea/endpoint_paired_ratio`` with ``_ci_low`` / ``_ci_high``,
+  ``rcea/endpoint_paired_questions``, ``rcea/endpoint_coverage`` (paired / probe questions),
+  ``rcea/endpoint_failure_higher`` and ``rcea/endpoint_sign_test_p``. The rolling ``rcea/paired_*`` above are
+  the training-rollout version (the behaviour policy's samples pooled over a window, any count per stratum).
 
 At the end of the fit, rank 0 plots the stratum trajectories and the paired-ratio CIs (and predicted vs
 observed entropy change when an :class:`~lightning_rlvr.callbacks.EntropyChangeProbe` is in the callbacks)
@@ -83,6 +91,11 @@ class RCEADiagnostics(Intervention):
         mode_similarity: character-3-gram Jaccard threshold of one mode (1 = identical normalised text).
         plots: write the figures at the end of the fit.
         plot_dir: folder for the PNGs (default: MLflow artifacts, else ``<default_root_dir>/plots``).
+        min_per_stratum: failed and successful responses a question needs within a window to enter the rolling
+            paired ratio (with ``group_size`` 8 a window of training rollouts rarely has 8 of each, so the default 1
+            pairs any question with both outcomes).
+        endpoint_samples: samples per probe question of the endpoint paired ratio at each probe (0: off).
+        endpoint_min_per_stratum: failed and successful samples a probe question needs to enter it (seed: 8).
 
     Example::
 
@@ -96,13 +109,19 @@ class RCEADiagnostics(Intervention):
     def __init__(self, every_n_steps: int = 20, num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0,
                  tail_fractions: tuple[float, ...] = (0.01, 0.025, 0.05), retention_every_n_steps: int = 500,
                  probe_size: int = 64, probe_samples: int = 8, mode_similarity: float = 1.0, plots: bool = True,
-                 plot_dir: str | None = None) -> None:
+                 plot_dir: str | None = None, min_per_stratum: int = 1, endpoint_samples: int = 0,
+                 endpoint_min_per_stratum: int = 8) -> None:
         if every_n_steps < 1:
             raise ValueError(f"RCEADiagnostics: every_n_steps must be >= 1, got {every_n_steps}")
         if num_resamples < 1 or not 0 < confidence < 1:
             raise ValueError("RCEADiagnostics: need num_resamples >= 1 and 0 < confidence < 1")
         if retention_every_n_steps < 0 or probe_size < 1 or probe_samples < 1:
             raise ValueError("RCEADiagnostics: need retention_every_n_steps >= 0, probe_size >= 1, probe_samples >= 1")
+        if endpoint_samples < 0 or endpoint_min_per_stratum < 1:
+            raise ValueError(f"RCEADiagnostics: need endpoint_samples >= 0 and endpoint_min_per_stratum >= 1, got "
+                             f"{endpoint_samples}, {endpoint_min_per_stratum}")
+        if endpoint_samples and not retention_every_n_steps:
+            raise ValueError("RCEADiagnostics: endpoint_samples needs retention_every_n_steps > 0 (the probe steps)")
         if not 0 < mode_similarity <= 1:
             raise ValueError(f"RCEADiagnostics: mode_similarity must be in (0, 1], got {mode_similarity}")
         self.every_n_steps, self.num_resamples, self.confidence, self.seed = every_n_steps, num_resamples, confidence, seed
@@ -110,7 +129,9 @@ class RCEADiagnostics(Intervention):
         self.retention_every_n_steps, self.probe_size, self.probe_samples = retention_every_n_steps, probe_size, probe_samples
         self.mode_similarity, self.plots, self.plot_dir = float(mode_similarity), bool(plots), plot_dir
         self.strata = StratifiedEntropy()
-        self.paired = PairedEntropyRatio(num_resamples, confidence, seed)
+        self.paired = PairedEntropyRatio(num_resamples, confidence, seed, min_per_stratum)  # validates the minimum
+        self.endpoint_samples, self.endpoint_min_per_stratum = int(endpoint_samples), int(endpoint_min_per_stratum)
+        self.endpoint: list[dict[str, float]] = []
         self.cov_tail = CovarianceTailConcentration(self.tail_fractions)  # validates the fractions
         self.baseline_modes: list[list[str]] | None = None
         #: one dict of logged values per window (and per probe), for the plots and for users.
@@ -143,6 +164,8 @@ class RCEADiagnostics(Intervention):
             self._log_window(ctx)
         if self.retention_every_n_steps and (ctx.step + 1) % self.retention_every_n_steps == 0:
             self._log_retention(trainer, pl_module, ctx)
+            if self.endpoint_samples:
+                self._log_endpoint(trainer, pl_module, ctx)
 
     def _log_window(self, ctx: StepContext) -> None:
         valid = ctx.mask > 0
@@ -169,10 +192,15 @@ class RCEADiagnostics(Intervention):
                 ctx.log(self.log_name(key), value)
 
     # -- mode retention --------------------------------------------------------------------------------------
+    def _probe_problems(self, trainer: pl.Trainer) -> list:
+        """This rank's shard of the probe set (the first ``probe_size`` held-out problems)."""
+        probe = trainer.datamodule.source.held_out_problems()[: self.probe_size]
+        return probe[trainer.global_rank :: max(world_size(), 1)]
+
     def _probe_modes(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> list[tuple[list[str], bool]]:
         """This rank's shard of the probe set: per question, its modes and whether any sample was correct."""
         data = trainer.datamodule
-        problems = data.source.held_out_problems()[: self.probe_size][trainer.global_rank :: max(world_size(), 1)]
+        problems = self._probe_problems(trainer)
         if not problems:
             return []
         device = pl_module.device
@@ -208,6 +236,29 @@ class RCEADiagnostics(Intervention):
         for key, value in values.items():
             ctx.log(self.log_name(key), value)
 
+    # -- the endpoint paired ratio ----------------------------------------------------------------------------
+    def _log_endpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> None:
+        device = pl_module.device
+        metric = PairedEntropyRatio(self.num_resamples, self.confidence, self.seed,
+                                    self.endpoint_min_per_stratum).to(device)
+        problems = self._probe_problems(trainer)
+        if problems:
+            # Its own seed, apart from the retention probe's, and a forked RNG: training's random stream is unchanged.
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(self.seed + ctx.step + 7919)
+                batch = trainer.datamodule.sample_batch(problems, self.endpoint_samples).to(device)
+            entropy = pl_module.recompute_token_stats(batch).entropy
+            metric.update(entropy, batch.response_mask, batch.correct, question_ids(batch).to(device))
+        paired = {k: v.item() for k, v in metric.compute().items()}
+        probe_questions = min(self.probe_size, len(trainer.datamodule.source.held_out_problems()))
+        values = {"endpoint_paired_ratio": paired["geometric_mean"], "endpoint_ci_low": paired["ci_low"],
+                  "endpoint_ci_high": paired["ci_high"], "endpoint_paired_questions": paired["paired"],
+                  "endpoint_coverage": paired["paired"] / max(probe_questions, 1),
+                  "endpoint_failure_higher": paired["failure_higher"], "endpoint_sign_test_p": paired["sign_test_p"]}
+        self.endpoint.append({"step": float(ctx.step), **values})
+        for key, value in values.items():
+            ctx.log(self.log_name(key), value)
+
     # -- plots -------------------------------------------------------------------------------------------------
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -232,10 +283,11 @@ class RCEADiagnostics(Intervention):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"baseline_modes": self.baseline_modes, "windows": [dict(w) for w in self.windows],
-                "retention": [dict(r) for r in self.retention]}
+                "retention": [dict(r) for r in self.retention], "endpoint": [dict(e) for e in self.endpoint]}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.baseline_modes = state_dict["baseline_modes"]
         self.windows = [dict(w) for w in state_dict["windows"]]
         self.retention = [dict(r) for r in state_dict["retention"]]
+        self.endpoint = [dict(e) for e in state_dict.get("endpoint", [])]  # absent from older checkpoints

@@ -592,6 +592,18 @@ class RolloutDataModule(pl.LightningDataModule):
 
     # -- evaluation ----------------------------------------------------------------------------------------
     @torch.no_grad()
+    def sample_batch(self, problems: list[Problem], n: int) -> RolloutBatch:
+        """``n`` scored completions per problem with the current policy and the training sampling settings, as a
+        :class:`RolloutBatch` (rows grouped by problem, in order); for diagnostics that need the completions' tokens,
+        e.g. their entropy under the policy. Nothing is filtered: no dynamic sampling."""
+        if self.tokenizer is None:
+            raise RuntimeError("RolloutDataModule.sample_batch called before setup()/connect(tokenizer)")
+        version = self._sync_policy()
+        rows, _ = self._generate_and_score(problems, n, self.sampling)
+        self.engine.release()
+        return self._to_batch(rows, version)
+
+    @torch.no_grad()
     def sample_completions(self, problems: list[Problem], n: int) -> list[list[tuple[str, bool]]]:
         """``n`` completions per problem with the current policy and the training sampling settings.
 

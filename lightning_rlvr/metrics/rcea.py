@@ -243,13 +243,16 @@ class PairedEntropyRatio(Metric):
 
     ``update(entropy, mask, correct, question_ids)`` with ``(N,)`` int64 question ids that are stable across
     updates and ranks (the same prompt → the same id, e.g. a hash of its tokens): completions of one question
-    seen in several updates pool. A question is *paired* when it has failed and successful tokens; its ratio
-    is the ratio of its two token means. ``compute()`` returns :func:`paired_ratio_summary`'s dict (tensors).
+    seen in several updates pool. A question is *paired* when it has at least ``min_per_stratum`` failed and
+    ``min_per_stratum`` successful responses (each with at least one token); its ratio is the ratio of its two
+    token means. ``compute()`` returns :func:`paired_ratio_summary`'s dict (tensors).
 
     Args:
         num_resamples: resamples of the bootstrap over paired questions.
         confidence: its two-sided level.
         seed: its seed.
+        min_per_stratum: responses a question needs in each outcome to be paired. The seed paper's endpoint probe
+            uses 8 (``K_r ≥ 8``, Table A4); 1 admits a question on a single failed or successful response.
         **kwargs: passed to ``torchmetrics.Metric``.
     """
 
@@ -257,9 +260,13 @@ class PairedEntropyRatio(Metric):
     higher_is_better = None
     full_state_update = False
 
-    def __init__(self, num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0, **kwargs: Any) -> None:
+    def __init__(self, num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0, min_per_stratum: int = 1,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if min_per_stratum < 1:
+            raise ValueError(f"PairedEntropyRatio: min_per_stratum must be >= 1, got {min_per_stratum}")
         self.num_resamples, self.confidence, self.seed = num_resamples, confidence, seed
+        self.min_per_stratum = int(min_per_stratum)
         for name in ("question", "correct", "entropy_sum", "token_count"):
             self.add_state(name, default=[], dist_reduce_fx="cat")
 
@@ -278,8 +285,9 @@ class PairedEntropyRatio(Metric):
         cell = inverse * 2 + correct
         sums = torch.zeros(2 * len(ids), dtype=torch.float64, device=cell.device).index_add_(0, cell, entropy_sum)
         counts = torch.zeros_like(sums).index_add_(0, cell, token_count)
-        sums, counts = sums.view(-1, 2), counts.view(-1, 2)
-        paired = (counts > 0).all(-1)
+        responses = torch.zeros_like(sums).index_add_(0, cell, (token_count > 0).to(torch.float64))
+        sums, counts, responses = sums.view(-1, 2), counts.view(-1, 2), responses.view(-1, 2)
+        paired = (responses >= self.min_per_stratum).all(-1)
         means = sums[paired] / counts[paired]
         means = means.clamp_min(1e-12)  # a zero-entropy stratum: a finite, very large ratio instead of inf
         return (means[:, 0].log() - means[:, 1].log()).cpu()

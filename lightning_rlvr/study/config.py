@@ -8,7 +8,8 @@ A study YAML has these keys (anything else is refused by name)::
     seeds: [0, 1, 2]
     workers: 2                      # runs at once, each in its own process
     threads_per_run: 1              # OMP/torch threads of each run
-    report: {baseline: grpo, late_window: 100, block: 100, entropy_keepers: [clip_cov, kl_cov]}
+    report: {baseline: grpo, late_window: 100, block: 100, entropy_keepers: [clip_cov, kl_cov],
+             method_configs: configs}  # each method's own config: <method_configs>/<method>.yaml
     base: {trainer: ..., model: ..., data: ...}   # a `lightning_rlvr fit` config
     methods:
       grpo: {}
@@ -26,6 +27,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import importlib
+import inspect
 import json
 import re
 from pathlib import Path
@@ -33,7 +36,8 @@ from typing import Any
 
 import yaml
 
-__all__ = ["ReportSettings", "StudyConfig", "StudyConfigError", "load_study", "merge_method"]
+__all__ = ["ReportSettings", "StudyConfig", "StudyConfigError", "callback_arguments", "config_overrides", "load_study",
+           "merge_method"]
 
 _METHOD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _FIT_SECTIONS = {"trainer", "model", "data", "optimizer", "lr_scheduler", "ckpt_path"}
@@ -54,12 +58,20 @@ class ReportSettings:
         entropy_keepers: methods expected to keep entropy above the baseline late in training (finding (c)).
         block: rollout steps per block in finding (b)'s checkpoint-scale comparison (predicted and observed
             changes summed over each block: the source paper compares adjacent checkpoints, not single updates).
+        method_configs: a folder holding each method's own fit config as ``<method>.yaml`` (``configs``): the
+            report lists every setting in which the study's run of a method differs from it
+            (:func:`config_overrides`). ``None``: no such column.
+        config_of: for a method whose own config has another name (a variant of a shipped method), that name:
+            ``{"clip_cov_reference": "clip_cov"}`` compares the row with ``<method_configs>/clip_cov.yaml``
+            (entries for methods the study does not run are ignored).
     """
 
     baseline: str = "grpo"
     late_window: int = 100
     block: int = 100
     entropy_keepers: tuple[str, ...] = ("clip_cov", "kl_cov")
+    method_configs: str | None = None
+    config_of: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +173,99 @@ def _positive_int(raw: dict[str, Any], key: str, default: int, source: str) -> i
     return value
 
 
+# Settings that change only what is evaluated or logged, not what is trained: left out of config_overrides.
+_NOT_TRAINING = ("trainer.logger", "trainer.callbacks", "trainer.enable_", "trainer.default_root_dir",
+                 "trainer.log_every_n_steps", "trainer.num_sanity_val_steps", "trainer.check_val_every_n_epoch",
+                 "trainer.val_check_interval", "trainer.limit_val_batches", "data.val_", "data.verifier_workers",
+                 "model.log_completions_", "seed_everything")
+_DEFAULT = "(default)"
+
+
+def _flatten(config: Any, prefix: str) -> dict[str, Any]:
+    if not isinstance(config, dict):
+        return {prefix: config}
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _defaults(target: Any) -> dict[str, Any]:
+    """The constructor defaults of a class (or of ``"module.Class"``); ``{}`` for ``None`` or what cannot be
+    imported."""
+    if target is None:
+        return {}
+    if isinstance(target, str):
+        module_name, _, attribute = target.rpartition(".")
+        try:
+            target = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError, ValueError):
+            return {}
+    return {name: p.default for name, p in inspect.signature(target).parameters.items()
+            if p.default is not inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD}
+
+
+def _resolved(section: Any, owner: Any) -> Any:
+    """``section`` with ``owner``'s constructor defaults filled in, recursively for ``class_path`` values."""
+    if isinstance(section, dict) and "class_path" in section:
+        return {"class_path": section["class_path"],
+                "init_args": _resolved(section.get("init_args") or {}, section["class_path"])}
+    if not isinstance(section, dict):
+        return section
+    return {**_defaults(owner), **{k: _resolved(v, None) if v is not None else v for k, v in section.items()}}
+
+
+def callback_arguments(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{name: init_args with defaults}`` of ``trainer.callbacks`` (a repeated class gets ``#2``, ``#3``, ...)."""
+    named: dict[str, dict[str, Any]] = {}
+    for callback in (config.get("trainer") or {}).get("callbacks") or []:
+        class_path = str(callback.get("class_path", "?"))
+        name = class_path.rsplit(".", 1)[-1]
+        key, n = name, 1
+        while key in named:
+            n += 1
+            key = f"{name}#{n}"
+        named[key] = {**_defaults(class_path), **(callback.get("init_args") or {})}
+    return named
+
+
+def config_overrides(own: dict[str, Any], run: dict[str, Any], shared_callbacks: tuple[str, ...] = ()) -> list[str]:
+    """Every training setting in which ``run`` (a study's fit config of a method) differs from ``own`` (the method's
+    own config), as ``"key: own → run"`` (``(default)`` where a side leaves the key unset).
+
+    Compared, with the constructors' defaults filled in on both sides (so ``clip_high`` left at its default equals
+    an explicit 0.2): every key of ``model``, ``data`` and ``trainer`` except those that only change evaluation or
+    logging (validation schedule and sizes, loggers, progress bars, completion tables, the seed); and the callbacks
+    by class:
+    each of ``own``'s callbacks missing from ``run`` (``without X``), each argument that differs (``X.arg: a → b``),
+    and each of ``run``'s callbacks that ``own`` lacks (``with X``) unless it is in ``shared_callbacks`` (the
+    study's instrumentation, the same for every method).
+    """
+    owners = {"model": "lightning_rlvr.module.RLVRModule", "data": "lightning_rlvr.data.RolloutDataModule",
+              "trainer": "lightning.pytorch.Trainer"}
+
+    def settings(config: dict[str, Any]) -> dict[str, Any]:
+        flat = _flatten({k: _resolved(config.get(k) or {}, owner) for k, owner in owners.items()}, "")
+        return {k: v for k, v in flat.items() if not k.startswith(_NOT_TRAINING)}
+
+    def show(value: Any) -> str:
+        return value if isinstance(value, str) else json.dumps(value)
+
+    mine, theirs = settings(own), settings(run)
+    out = [f"{key}: {show(mine.get(key, _DEFAULT))} → {show(theirs.get(key, _DEFAULT))}"
+           for key in sorted(mine.keys() | theirs.keys()) if mine.get(key, _DEFAULT) != theirs.get(key, _DEFAULT)]
+    own_callbacks, run_callbacks = callback_arguments(own), callback_arguments(run)
+    for name, arguments in own_callbacks.items():
+        if name not in run_callbacks:
+            out.append(f"without {name}")
+            continue
+        mine, theirs = _flatten(arguments, ""), _flatten(run_callbacks[name], "")
+        out += [f"{name}.{key}: {show(mine.get(key, _DEFAULT))} → {show(theirs.get(key, _DEFAULT))}"
+                for key in sorted(mine.keys() | theirs.keys()) if mine.get(key, _DEFAULT) != theirs.get(key, _DEFAULT)]
+    out += [f"with {name}" for name in run_callbacks if name not in own_callbacks and name not in shared_callbacks]
+    return out
+
+
 def load_study(source: str | Path | dict[str, Any]) -> StudyConfig:
     """Read and validate a study (a YAML path or an already-loaded dict).
 
@@ -220,6 +325,8 @@ def load_study(source: str | Path | dict[str, Any]) -> StudyConfig:
         block=_positive_int(report_raw, "block", ReportSettings.block, f"{where}: report"),
         entropy_keepers=tuple(report_raw.get("entropy_keepers",
                                              [m for m in ReportSettings.entropy_keepers if m in methods])),
+        method_configs=None if report_raw.get("method_configs") is None else str(report_raw["method_configs"]),
+        config_of={str(k): str(v) for k, v in (report_raw.get("config_of") or {}).items() if k in methods},
     )
     for key, names in (("baseline", [report.baseline]), ("entropy_keepers", report.entropy_keepers)):
         missing = [n for n in names if n not in methods]

@@ -7,16 +7,22 @@ Per run (metric names as the callbacks log them):
 
 - held-out accuracy, pass@k, maj@k: the last ``val/accuracy``, ``val/pass_at_k``, ``val/maj_at_k``;
 - final entropy: mean ``entropy/token_mean`` over the last ``late_window`` rollout steps;
-- mode retention: the last ``rcea/retention`` (share of the start's correct modes still found);
-- failed/successful entropy: the last window's common-question paired ratio ``rcea/paired_ratio`` with its
-  bootstrap CI (``rcea/paired_ci_low`` / ``_high``), and over all windows the share whose CI lies above 1;
+- answer-coverage retention: the last ``rcea/retention`` (share of the start's correct modes still found: recall
+  of the baseline's correct answers, at most 1; not the seed paper's rarefied effective-mode ratio);
+- failed/successful entropy: the seed paper's endpoint paired ratio at the last probe (``rcea/endpoint_paired_ratio``
+  with its bootstrap CI, ``RCEADiagnostics(endpoint_samples=K)``) when the runs log it, else the last window's
+  rolling ratio over training rollouts (``rcea/paired_ratio``, ``rcea/paired_ci_low`` / ``_high``), which is kept
+  as ``rolling_paired_ratio``; over all windows, the share of rolling CIs above 1;
 - predicted vs observed entropy change: every ``probe/observed`` step with its ``probe/cov_pred`` (the
   prediction is ``−cov``) and ``probe/flow_pred``; sign agreement against the score of always forecasting
   the majority sign;
-- stage transition: the last ``stage/transition_step`` (none when the detector never left "rising").
+- stage transition: the last ``stage/transition_step`` (none when the detector never left "rising");
+- OPEFO's balancing coefficient: the mean of ``opefo/lambda`` over the run (methods that log it);
+- entropy-performance points: each evaluation's ``val/accuracy`` against the mean ``entropy/token_mean`` of the
+  ``late_window`` rollout steps up to it (Cui et al.'s ``R = −a·exp(H) + b`` is fitted on them per method).
 
-Per method: mean and sample standard deviation over seeds. The findings (a)-(d) of the issue are tested
-with stated rules (:func:`findings`), so "reproduced" has one meaning across studies.
+Per method: mean and sample standard deviation over seeds. The published findings (a)-(e) are tested with stated
+rules (:func:`findings`), so "reproduced" has one meaning across studies.
 """
 
 from __future__ import annotations
@@ -32,17 +38,24 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
-from lightning_rlvr.metrics.entropy_change import average_ranks, pearson, sign_agreement
-from lightning_rlvr.study.config import StudyConfig
+from lightning_rlvr.metrics.entropy_change import average_ranks, pearson, sign_agreement, spearman
+from lightning_rlvr.metrics.tradeoff import exponential_tradeoff_fit
+from lightning_rlvr.study.config import StudyConfig, callback_arguments, config_overrides
 from lightning_rlvr.study.runner import finished_runs
 
-__all__ = ["MethodSummary", "RunSummary", "build_report", "findings", "spearman_permutation", "summarise_run"]
+__all__ = ["MethodSummary", "RunSummary", "build_report", "findings", "spearman_permutation", "summarise_run",
+           "tradeoff_table"]
 
 _KEYS = ("val/accuracy", "val/pass_at_k", "val/maj_at_k", "entropy/token_mean", "rcea/retention",
          "rcea/paired_ratio", "rcea/paired_ci_low", "rcea/paired_ci_high", "probe/cov_pred", "probe/flow_pred",
-         "probe/observed", "stage/transition_step")
+         "probe/observed", "stage/transition_step", "opefo/lambda", "rcea/endpoint_paired_ratio",
+         "rcea/endpoint_ci_low", "rcea/endpoint_ci_high", "rcea/endpoint_coverage")
 #: "far above" in finding (c): the keeper's final entropy is at least this multiple of the baseline's in every seed.
 FAR_ABOVE = 1.5
+#: finding (d) leaves out, as a second estimate, methods whose held-out accuracy is below this share of the baseline's.
+BROKEN_BELOW = 0.5
+#: finding (e): the baseline's fit of R = −a·exp(H) + b is "reproduced" when a > 0 and R² reaches this.
+FIT_R2 = 0.7
 
 Series = list[tuple[int, float]]
 
@@ -104,10 +117,15 @@ class RunSummary:
     sign_agreement_cov: float
     majority_rate: float
     transition_step: float
+    opefo_lambda: float = math.nan
+    paired_estimator: str = "rolling"
+    rolling_paired_ratio: float = math.nan
+    endpoint_coverage: float = math.nan
     entropy: Series = dataclasses.field(repr=False, default_factory=list)
     val_accuracy: Series = dataclasses.field(repr=False, default_factory=list)
     probe: list[tuple[float, float, float]] = dataclasses.field(repr=False, default_factory=list)
     probe_blocks: list[tuple[float, float, float]] = dataclasses.field(repr=False, default_factory=list)
+    tradeoff_points: list[tuple[float, float]] = dataclasses.field(repr=False, default_factory=list)
 
     def numbers(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
@@ -134,21 +152,34 @@ def summarise_run(method: str, seed: int, run_id: str, history: dict[str, Series
     for step, values in probed:
         blocks.setdefault(int(step) // block, []).append(values)
     probe_blocks = [tuple(map(math.fsum, zip(*blocks[b]))) for b in sorted(blocks)]
+    lambdas = [v for _, v in history.get("opefo/lambda", []) if math.isfinite(v)]
+    endpoint = any(math.isfinite(v) for _, v in history.get("rcea/endpoint_paired_ratio", []))
+    paired = "rcea/endpoint_" if endpoint else "rcea/"
+    tradeoff_points = []
+    for step, accuracy in history.get("val/accuracy", []):
+        before = [v for s, v in entropy if step - late_window < s <= step] or [v for s, v in entropy[:1]]
+        if before:
+            tradeoff_points.append((statistics.fmean(before), accuracy))
     return RunSummary(
         method=method, seed=seed, run_id=run_id,
         accuracy=_last(history.get("val/accuracy", [])), pass_at_k=_last(history.get("val/pass_at_k", [])),
         maj_at_k=_last(history.get("val/maj_at_k", [])), retention=_last(history.get("rcea/retention", [])),
         final_entropy=statistics.fmean(late) if late else math.nan,
-        paired_ratio=_last(history.get("rcea/paired_ratio", [])),
-        paired_ci_low=_last(history.get("rcea/paired_ci_low", [])),
-        paired_ci_high=_last(history.get("rcea/paired_ci_high", [])),
+        paired_ratio=_last(history.get(f"{paired}paired_ratio", [])),
+        paired_ci_low=_last(history.get(f"{paired}{'ci' if endpoint else 'paired_ci'}_low", [])),
+        paired_ci_high=_last(history.get(f"{paired}{'ci' if endpoint else 'paired_ci'}_high", [])),
+        paired_estimator="endpoint" if endpoint else "rolling",
+        rolling_paired_ratio=_last(history.get("rcea/paired_ratio", [])),
+        endpoint_coverage=_last(history.get("rcea/endpoint_coverage", [])),
         windows_above_one=sum(low.get(s, math.nan) > 1 for s in windows),
         windows_below_one=sum(high.get(s, math.nan) < 1 for s in windows), windows=len(windows),
         sign_agreement_flow=_sign_agreement([f for _, f, _ in probe], observed),
         sign_agreement_cov=_sign_agreement([c for c, _, _ in probe], observed),
         majority_rate=_majority_rate(observed),
         transition_step=_last(history.get("stage/transition_step", [])),
+        opefo_lambda=statistics.fmean(lambdas) if lambdas else math.nan,
         entropy=entropy, val_accuracy=history.get("val/accuracy", []), probe=probe, probe_blocks=probe_blocks,
+        tradeoff_points=tradeoff_points,
     )
 
 
@@ -243,9 +274,9 @@ def findings(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str,
 
     Rules (verdicts are "reproduced", "partly", "not reproduced" or "not measured"):
 
-    - (a) failed responses carry higher entropy than successful ones: per run, the last window's
-      common-question paired ratio; reproduced when every baseline run's bootstrap CI lies above 1,
-      partly when some do.
+    - (a) failed responses carry higher entropy than successful ones: per run, the common-question paired
+      ratio (the endpoint estimator when logged, else the last rolling window); reproduced when every baseline
+      run's bootstrap CI lies above 1, partly when some do.
     - (b) the covariance/flow approximation predicts the sign of the entropy change: pooled over all
       probed steps of all runs, per predictor, the sign agreement must beat the majority-sign forecast;
       reproduced when both predictors beat it, partly when one does. Reported beside it: the balanced sign
@@ -254,8 +285,12 @@ def findings(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str,
     - (c) Clip-Cov/KL-Cov keep entropy far above the baseline late: a keeper's final entropy is at least
       :data:`FAR_ABOVE` × the baseline's in every seed; partly when merely above it in every seed.
     - (d) entropy alone does not order methods by accuracy: Spearman ρ between the methods' mean final
-      entropy and mean held-out accuracy; reproduced when its permutation p-value is ≥ 0.05 (no
-      detectable monotone relation), not reproduced otherwise.
+      entropy and mean held-out accuracy, with a bootstrap CI over methods, and again without the methods whose
+      accuracy is below :data:`BROKEN_BELOW` × the baseline's (training broke down). A null claim cannot be
+      confirmed by a test: p ≥ 0.05 is "no relation detected", p < 0.05 "not reproduced".
+    - (e) performance is traded from entropy as ``R = −a·exp(H) + b`` (Cui et al.): per method, the fit on the
+      pooled entropy-accuracy points of its runs; reproduced when the baseline's fit has ``a > 0`` and R² ≥
+      :data:`FIT_R2`, partly when ``a > 0`` with a lower R², not reproduced when ``a ≤ 0``.
     """
     result: dict[str, dict[str, Any]] = {}
     baseline = methods.get(study.report.baseline)
@@ -272,10 +307,12 @@ def findings(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str,
         per_seed = "; ".join(f"seed {r.seed}: {_fmt(r.paired_ratio)} "
                              f"[{_fmt(r.paired_ci_low)}, {_fmt(r.paired_ci_high)}]" for r in runs)
         verdict = "reproduced" if above == len(runs) else "partly" if above else "not reproduced"
+        estimator = ("endpoint estimator at the last probe" if runs[0].paired_estimator == "endpoint"
+                     else "rolling, last window")
         result["a"] = {"verdict": verdict, "baseline_runs_above": above, "baseline_runs": len(runs),
                        "windows": all_windows, "windows_above": all_above, "windows_below": all_below,
-                       "text": f"{study.report.baseline}, last window, paired failed/successful entropy ratio (95% "
-                               f"bootstrap CI over questions): {per_seed}. CI above 1 in {above} of {len(runs)} "
+                       "text": f"{study.report.baseline}, paired failed/successful entropy ratio ("
+                               f"{estimator}; 95% bootstrap CI over questions): {per_seed}. CI above 1 in {above} of {len(runs)} "
                                f"runs. Over every window of every run of every method: {all_above} of "
                                f"{all_windows} windows have the CI above 1, {all_below} below 1."}
 
@@ -299,11 +336,15 @@ def findings(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str,
         block = {"cov": _sign_agreement([c for c, _, _ in blocks], block_observed),
                  "flow": _sign_agreement([f for _, f, _ in blocks], block_observed),
                  "majority": _majority_rate(block_observed)}
+        block_pearson = {k: _correlation([b[i] for b in blocks], block_observed) for i, k in enumerate(("cov", "flow"))}
+        block_spearman = {k: _spearman([b[i] for b in blocks], block_observed) for i, k in enumerate(("cov", "flow"))}
         result["b"] = {"verdict": verdict, "steps": len(probe), "agreement_cov": cov, "agreement_flow": flow,
                        "majority_rate": bar, "balanced_cov": balanced["cov"], "balanced_flow": balanced["flow"],
                        "correlation_cov": correlation["cov"], "correlation_flow": correlation["flow"],
                        "blocks": len(blocks), "block_agreement_cov": block["cov"],
                        "block_agreement_flow": block["flow"], "block_majority_rate": block["majority"],
+                       "block_pearson_cov": block_pearson["cov"], "block_pearson_flow": block_pearson["flow"],
+                       "block_spearman_cov": block_spearman["cov"], "block_spearman_flow": block_spearman["flow"],
                        "text": f"Over {len(probe)} probed steps of all runs: the sign of −Cov(log π, A) matches the "
                                f"observed entropy change in {_fmt(cov)} of steps, the flow's in {_fmt(flow)}; "
                                f"entropy fell in {_fmt(negative)} of them, so always forecasting the commoner sign "
@@ -313,8 +354,10 @@ def findings(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str,
                                f"{_fmt(correlation['flow'], 2)}. At the checkpoint scale (changes summed over "
                                f"{len(blocks)} blocks of {study.report.block} rollout steps): −covariance "
                                f"{_fmt(block['cov'])}, flow {_fmt(block['flow'])}, commoner sign "
-                               f"{_fmt(block['majority'])}. Flow sign agreement per method (mean over seeds): "
-                               f"{per_method}."}
+                               f"{_fmt(block['majority'])}; Pearson r {_fmt(block_pearson['cov'], 2)} and "
+                               f"{_fmt(block_pearson['flow'], 2)}, Spearman ρ {_fmt(block_spearman['cov'], 2)} and "
+                               f"{_fmt(block_spearman['flow'], 2)}. Flow sign agreement per method (mean over "
+                               f"seeds): {per_method}."}
 
     # (c)
     keepers = [methods[k] for k in study.report.entropy_keepers if k in methods]
@@ -346,15 +389,72 @@ def findings(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str,
     if len(ranked) < 3:
         result["d"] = {"verdict": "not measured", "text": "Fewer than 3 methods finished."}
     else:
-        rho, p = spearman_permutation([m.mean["final_entropy"] for m in ranked], [m.mean["accuracy"] for m in ranked])
+        entropies, accuracies = [m.mean["final_entropy"] for m in ranked], [m.mean["accuracy"] for m in ranked]
+        rho, p = spearman_permutation(entropies, accuracies)
+        low, high = _rho_interval(entropies, accuracies)
+        floor = BROKEN_BELOW * baseline.mean["accuracy"] if baseline is not None else -math.inf
+        kept = [m for m in ranked if m.mean["accuracy"] >= floor]
+        broken = [m.method for m in ranked if m.mean["accuracy"] < floor]
+        rho_kept, p_kept = spearman_permutation([m.mean["final_entropy"] for m in kept],
+                                                [m.mean["accuracy"] for m in kept])
         by_entropy = [m.method for m in sorted(ranked, key=lambda m: -m.mean["final_entropy"])]
         by_accuracy = [m.method for m in sorted(ranked, key=lambda m: -m.mean["accuracy"])]
-        result["d"] = {"verdict": "reproduced" if p >= 0.05 else "not reproduced", "rho": rho, "p": p,
-                       "methods": len(ranked),
+        without = (f" Without {', '.join(broken)} (held-out accuracy below {BROKEN_BELOW}× the baseline's): ρ = "
+                   f"{_fmt(rho_kept, 2)} over {len(kept)} methods (p = {_fmt(p_kept, 3)})." if broken else "")
+        result["d"] = {"verdict": "no relation detected" if p >= 0.05 else "not reproduced", "rho": rho, "p": p,
+                       "rho_ci_low": low, "rho_ci_high": high, "methods": len(ranked), "left_out": broken,
+                       "rho_without_left_out": rho_kept, "p_without_left_out": p_kept,
                        "text": f"Spearman ρ between mean final entropy and mean held-out accuracy over {len(ranked)} "
-                               f"methods: {_fmt(rho, 2)} (permutation p = {_fmt(p, 3)}). Highest entropy first: "
-                               f"{', '.join(by_entropy)}. Highest accuracy first: {', '.join(by_accuracy)}."}
+                               f"methods: {_fmt(rho, 2)} (95% bootstrap CI over methods [{_fmt(low, 2)}, "
+                               f"{_fmt(high, 2)}], permutation p = {_fmt(p, 3)}); a p ≥ 0.05 finds no monotone "
+                               f"relation, which is consistent with the claim but does not confirm it.{without} "
+                               f"Highest entropy first: {', '.join(by_entropy)}. Highest accuracy first: "
+                               f"{', '.join(by_accuracy)}."}
+
+    # (e)
+    fits = {m.method: exponential_tradeoff_fit(*zip(*[pt for r in m.runs for pt in r.tradeoff_points]))
+            for m in methods.values() if any(r.tradeoff_points for r in m.runs)}
+    base_fit = fits.get(study.report.baseline)
+    if base_fit is None or not math.isfinite(base_fit["a"]):
+        result["e"] = {"verdict": "not measured", "fits": fits,
+                       "text": "The baseline has fewer than two evaluations with distinct entropies."}
+    else:
+        verdict = ("not reproduced" if base_fit["a"] <= 0 else "reproduced" if base_fit["r2"] >= FIT_R2
+                   else "partly")
+        result["e"] = {"verdict": verdict, "fits": fits,
+                       "text": f"Least-squares fit of held-out accuracy against the mean token entropy of the "
+                               f"{study.report.late_window} rollout steps before each evaluation, pooled over seeds. "
+                               f"{study.report.baseline}: a = {_fmt(base_fit['a'])}, b = {_fmt(base_fit['b'])}, "
+                               f"R² = {_fmt(base_fit['r2'], 2)} over {int(base_fit['n'])} points; predicted accuracy "
+                               f"at H = 0: {_fmt(base_fit['ceiling'])}. Rule: a > 0 and R² ≥ {FIT_R2}. Every "
+                               f"method's fit is in the table below."}
     return result
+
+
+def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    return spearman(torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64))
+
+
+def _rho_interval(x: Sequence[float], y: Sequence[float], resamples: int = 2000, seed: int = 0,
+                  confidence: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of Spearman's ρ, resampling the (x, y) pairs (methods) with replacement."""
+    generator = torch.Generator().manual_seed(seed)
+    draws = torch.randint(len(x), (resamples, len(x)), generator=generator)
+    rhos = [_spearman([x[i] for i in rows], [y[i] for i in rows]) for rows in draws.tolist()]
+    finite = torch.tensor([r for r in rhos if math.isfinite(r)], dtype=torch.float64)
+    if finite.numel() == 0:
+        return math.nan, math.nan
+    tail = (1 - confidence) / 2
+    return finite.quantile(tail).item(), finite.quantile(1 - tail).item()
+
+
+def tradeoff_table(findings_e: dict[str, Any]) -> str:
+    """Finding (e)'s per-method fits of ``R = −a·exp(H) + b`` as a markdown table."""
+    lines = ["| method | a | b | R² | accuracy at H = 0 | points |", "|---|---|---|---|---|---|"]
+    for method, fit in findings_e.get("fits", {}).items():
+        lines.append(f"| {method} | {_fmt(fit['a'])} | {_fmt(fit['b'])} | {_fmt(fit['r2'], 2)} "
+                     f"| {_fmt(fit['ceiling'])} | {int(fit['n'])} |")
+    return "\n".join(lines)
 
 
 # -- figures --------------------------------------------------------------------------------------------------
@@ -444,10 +544,36 @@ def _transitions(summary: MethodSummary) -> str:
     return ", ".join("–" if not math.isfinite(t) else str(int(t)) for t in summary.transitions)
 
 
+def method_overrides(study: StudyConfig) -> dict[str, list[str] | None]:
+    """Per method, where the study's run differs from its own config, ``<report.method_configs>/<name>.yaml`` with
+    ``name`` the method's ``report.config_of`` entry or the method itself (``None``: no such file); empty without
+    ``report.method_configs``. A comparison with another method's config starts with ``vs <name>.yaml:``."""
+    import yaml
+
+    if study.report.method_configs is None:
+        return {}
+    shared = tuple(callback_arguments(study.base))
+    out: dict[str, list[str] | None] = {}
+    for method in study.methods:
+        name = study.report.config_of.get(method, method)
+        path = Path(study.report.method_configs) / f"{name}.yaml"
+        if not path.is_file():
+            out[method] = None
+            continue
+        differences = config_overrides(yaml.safe_load(path.read_text(encoding="utf-8")), study.method_config(method),
+                                       shared)
+        out[method] = differences if name == method else [f"vs {name}.yaml:", *differences]
+    return out
+
+
 def markdown_table(study: StudyConfig, methods: dict[str, MethodSummary]) -> str:
-    """The per-method table: mean ± sd over seeds (n = seeds that finished)."""
-    header = ("| method | n | held-out acc | pass@k | maj@k | mode retention | final entropy | vs baseline "
+    """The per-method table: mean ± sd over seeds (n = seeds that finished), and, with ``report.method_configs``,
+    every setting in which the study's run differs from the method's own config."""
+    overrides = method_overrides(study)
+    header = ("| method | n | held-out acc | pass@k | maj@k | answer-coverage retention | final entropy | vs baseline "
               "| paired ratio [CI] | CI > 1 | flow sign agr. | stage transition |")
+    if overrides:
+        header += f" differs from {study.report.method_configs}/<method>.yaml |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     base = methods.get(study.report.baseline)
     for summary in methods.values():
@@ -457,8 +583,17 @@ def markdown_table(study: StudyConfig, methods: dict[str, MethodSummary]) -> str
             f"| {_cell(summary, 'maj_at_k')} | {_cell(summary, 'retention')} | {_cell(summary, 'final_entropy')} "
             f"| {_fmt(vs, 2)}× | {_fmt(summary.mean['paired_ratio'], 2)} [{_fmt(summary.mean['paired_ci_low'], 2)}, "
             f"{_fmt(summary.mean['paired_ci_high'], 2)}] | {summary.seeds_ci_above_one}/{len(summary.runs)} "
-            f"| {_fmt(summary.mean['sign_agreement_flow'], 2)} | {_transitions(summary)} |")
+            f"| {_fmt(summary.mean['sign_agreement_flow'], 2)} | {_transitions(summary)} |"
+            + (f" {_override_cell(overrides.get(summary.method))} |" if overrides else ""))
     return "\n".join(lines)
+
+
+def _override_cell(overrides: list[str] | None) -> str:
+    if overrides is None:
+        return "no config of its own"
+    cells = [o.replace("|", "\\|") for o in overrides]
+    prefix = cells.pop(0) + " " if cells and cells[0].startswith("vs ") else ""
+    return prefix + ("; ".join(cells) or "nothing")
 
 
 _FIGURES = {"trajectories": trajectories_figure, "entropy_change": entropy_change_scatter,
@@ -478,7 +613,7 @@ def build_report(study: StudyConfig, log_to_mlflow: bool = True) -> dict[str, An
                or s not in {r.seed for r in methods[m].runs}]
     result = findings(study, methods)
     summary = {"study": study.name, "experiment": study.experiment, "tracking_uri": study.tracking_uri,
-               "seeds": list(study.seeds), "missing_runs": missing,
+               "seeds": list(study.seeds), "missing_runs": missing, "overrides": method_overrides(study),
                "methods": {m: {"mean": s.mean, "sd": s.sd, "runs": [r.numbers() for r in s.runs]}
                            for m, s in methods.items()},
                "findings": result}
@@ -489,19 +624,34 @@ def build_report(study: StudyConfig, log_to_mlflow: bool = True) -> dict[str, An
     titles = {"a": "Failed responses carry higher token entropy than successful ones",
               "b": "The covariance / flow approximation predicts the sign of the entropy change",
               "c": "Clip-Cov / KL-Cov keep entropy far above the baseline late in training",
-              "d": "Entropy alone does not order the methods by accuracy"}
+              "d": "Entropy alone does not order the methods by accuracy",
+              "e": "Performance is traded from entropy as R = −a·exp(H) + b"}
+    estimators = {r.paired_estimator for s in methods.values() for r in s.runs}
+    if estimators == {"endpoint"}:
+        paired_text = ("the seed paper's endpoint estimator at the last probe (fresh samples of the probe questions, "
+                       "only questions with enough samples of each outcome)")
+    elif estimators <= {"rolling"}:
+        paired_text = "the last RCEA window's rolling common-question ratio over training rollouts"
+    else:
+        paired_text = "the endpoint estimator where a run logged it, else the rolling one"
     lines = [f"# Study `{study.name}`", "",
              (f"{len(methods)} methods × seeds {list(study.seeds)}, from `{study.source}`; MLflow experiment "
               f"`{study.experiment}` at `{study.tracking_uri}`. Mean ± sd over seeds; held-out numbers from the "
               f"last evaluation; final entropy = mean token entropy of the last {study.report.late_window} rollout "
-              f"steps; paired ratio = last RCEA window's common-question failed/successful entropy ratio "
-              f"(mean over seeds of the ratio and of its 95% bootstrap CI bounds), \"CI > 1\" = seeds whose CI "
-              f"lies above 1; stage transition = the step per seed (– = none)."), ""]
+              f"steps; paired ratio = {paired_text}, failed/successful token entropy (mean over seeds of the ratio "
+              f"and of its 95% bootstrap CI bounds), \"CI > 1\" = seeds whose CI lies above 1; stage transition = "
+              f"the step per seed (– = none)."), ""]
     if missing:
         lines += [f"**Not finished ({len(missing)}):** {', '.join(missing)}", ""]
-    lines += [markdown_table(study, methods), "", "## Findings", ""]
+    lines += [markdown_table(study, methods), ""]
+    lambdas = {m: s.runs for m, s in methods.items() if any(math.isfinite(r.opefo_lambda) for r in s.runs)}
+    for method, runs in lambdas.items():
+        lines += [f"{method}'s balancing coefficient λ* (mean of `opefo/lambda` over each run): "
+                  + ", ".join(f"seed {r.seed} {_fmt(r.opefo_lambda, 4)}" for r in runs) + ".", ""]
+    lines += ["## Findings", ""]
     for key, title in titles.items():
         lines += [f"**({key}) {title}: {result[key]['verdict']}.** {result[key]['text']}", ""]
+    lines += [tradeoff_table(result["e"]), ""]
     lines += ["## Figures", ""] + [f"![{name}]({name}.png)" for name in figures] + [""]
     lines += ["## Runs", "", "| run | MLflow run id |", "|---|---|"]
     lines += [f"| {study.run_name(r.method, r.seed)} | `{r.run_id}` |" for s in methods.values() for r in s.runs]

@@ -16,6 +16,8 @@ from lightning_rlvr.callbacks.rcea_diagnostics import question_ids
 from lightning_rlvr.metrics.rcea import sign_test_pvalue
 from test_module import frozen_rollout, reverse_data, trainer
 
+from tests.conftest import ScriptedEngine
+
 from .test_protocol import fixed
 
 
@@ -120,3 +122,61 @@ def test_question_ids_ignore_padding_and_are_equal_for_equal_prompts():
     batch.prompt_length = 3
     ids = question_ids(batch)
     assert ids[0] == ids[2] and ids[0] != ids[1]
+
+
+def parity_verdict(completion: str, answer: str) -> float:
+    """A verifier whose verdicts are mixed on a random policy's samples: correct when the character codes sum even."""
+    return float(sum(map(ord, completion)) % 2 == 0)
+
+
+def test_the_endpoint_ratio_is_the_seeds_estimator_on_its_own_probe_samples(tiny_model_dir, memory_logger,
+                                                                              monkeypatch):
+    """K samples per probe question, their entropies under the policy at that checkpoint, and only the questions
+    with at least ``endpoint_min_per_stratum`` responses in each outcome: recomputed here with torch.distributions."""
+    from lightning_rlvr.data import RolloutDataModule
+    from lightning_rlvr.verifiers import CallableVerifier
+
+    probes = []
+    sample_batch = RolloutDataModule.sample_batch
+
+    def recording_sample_batch(self, problems, n):
+        batch = sample_batch(self, problems, n)
+        policy = self.trainer.lightning_module.policy
+        with torch.no_grad():  # the policy as it is at the probe: entropy from its logits, independently
+            logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids).logits[:, batch.prompt_length - 1 : -1]
+            entropy = torch.distributions.Categorical(logits=logits.float() / batch.temperature).entropy()
+        probes.append((batch, entropy))
+        return batch
+
+    monkeypatch.setattr(RolloutDataModule, "sample_batch", recording_sample_batch)
+    module = RLVRModule(model=tiny_model_dir, learning_rate=1e-3)
+    # Scripted completions that stop: "1", "11" and "111" score 0, "2" and "12" score 1 (a random policy never stops);
+    # a cycle of five over 12 samples a question gives 4 or 5 successes, so a minimum of 5 pairs only some questions.
+    tokenizer = module.tokenizer
+    script = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+              for text in ("1", "2", "11", "12", "111")]
+    rcea = RCEADiagnostics(every_n_steps=2, retention_every_n_steps=2, probe_size=6, probe_samples=2,
+                           endpoint_samples=12, endpoint_min_per_stratum=5, plots=False)
+    trainer(4, callbacks=[rcea], logger=memory_logger).fit(
+        module, reverse_data(engine=ScriptedEngine(script, pad_id=tokenizer.pad_token_id),
+                             verifier=CallableVerifier(parity_verdict, isolation="inline")))
+    h = memory_logger.history
+    assert sorted(h["rcea/endpoint_paired_ratio"]) == [1, 3] and len(probes) == 2
+    for (batch, entropy), step in zip(probes, (1, 3)):
+        assert len(batch) == 6 * 12
+        logs = []
+        for q in range(6):
+            rows = range(12 * q, 12 * (q + 1))
+            strata = {ok: [entropy[i][batch.response_mask[i] > 0].double() for i in rows
+                           if bool(batch.correct[i]) == ok and batch.response_mask[i].sum() > 0] for ok in (False, True)}
+            if min(len(strata[False]), len(strata[True])) >= 5:
+                failed, successful = (torch.cat(strata[ok]).mean().item() for ok in (False, True))
+                logs.append(math.log(failed / successful))
+        assert 0 < len(logs) < 6, "all or no probe questions paired: the minimum would be untested"
+        assert h["rcea/endpoint_paired_questions"][step] == len(logs)
+        assert h["rcea/endpoint_coverage"][step] == pytest.approx(len(logs) / 6)
+        assert h["rcea/endpoint_paired_ratio"][step] == pytest.approx(math.exp(np.mean(logs)), rel=1e-5)
+        assert h["rcea/endpoint_ci_low"][step] <= h["rcea/endpoint_paired_ratio"][step] <= h["rcea/endpoint_ci_high"][step]
+    with pytest.raises(ValueError, match="endpoint_samples needs retention_every_n_steps"):
+        RCEADiagnostics(retention_every_n_steps=0, endpoint_samples=8)

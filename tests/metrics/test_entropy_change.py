@@ -54,3 +54,13 @@ def test_undefined_statistics_are_nan_and_non_finite_points_are_dropped():
     assert pearson(*with_nan) == pytest.approx(stats.pearsonr(x, y).statistic, rel=1e-10)
     with pytest.raises(ValueError, match="differ in length"):
         pearson(torch.ones(3), torch.ones(4))
+
+
+def test_the_figures_sign_agreement_counts_a_zero_prediction_as_the_logged_metric_does():
+    """A zero prediction matches only a zero change (the logged probe/window/sign_agreement_*), never a fall."""
+    from lightning_rlvr.plots import entropy_change_figure
+
+    covariance, flow, observed = [0.0, -1.0, 1.0, 2.0], [0.0, 1.0, -1.0, 0.5], [-0.3, 0.2, -0.1, -0.4]
+    titles = [ax.get_title() for ax in entropy_change_figure(covariance, flow, observed).axes]
+    # -covariance = [0, 1, -1, -2] agrees at rows 1, 2, 3; flow at rows 1, 2; a zero forecast at row 0 is no "down".
+    assert titles == ["−covariance: sign agreement 0.75", "flow: sign agreement 0.50"]  # counting 0 as "down": 1.00, 0.75

@@ -98,12 +98,51 @@ def test_paired_ratio_matches_a_loop_and_scipy_sign_test():
     assert again.compute()["ci_low"].item() == result["ci_low"].item()  # seeded: reproducible
 
 
+def test_a_question_is_paired_only_with_min_per_stratum_responses_in_each_outcome():
+    # Question 7: 2 failed responses (entropies [1, 3] and [2]) and 2 successful ([0.5] and [0.5, 1.5]);
+    # question 9: 1 failed, 3 successful; question 11: 2 failed, none successful. An empty response never counts.
+    entropy = torch.tensor([[1.0, 3.0], [2.0, 0.0], [0.5, 0.0], [0.5, 1.5], [4.0, 0.0], [1.0, 0.0], [1.0, 0.0],
+                            [1.0, 0.0], [2.0, 0.0], [2.0, 0.0], [9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0], [1.0, 1.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0],
+                         [1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    correct = torch.tensor([0, 0, 1, 1, 0, 1, 1, 1, 0, 0, 1])
+    questions = torch.tensor([7, 7, 7, 7, 9, 9, 9, 9, 11, 11, 11])
+    expected_7 = math.log((1 + 3 + 2) / 3) - math.log((0.5 + 0.5 + 1.5) / 3)  # pooled token means
+    for minimum, expected in ((1, [expected_7, math.log(4.0 / 1.0)]), (2, [expected_7]), (3, [])):
+        metric = PairedEntropyRatio(min_per_stratum=minimum)
+        metric.update(entropy, mask, correct, questions)
+        assert metric.log_ratios().tolist() == pytest.approx(expected), minimum
+    with pytest.raises(ValueError, match="min_per_stratum"):
+        PairedEntropyRatio(min_per_stratum=0)
+
+
 def test_sign_test_by_hand():
     assert sign_test_pvalue(3, 3) == pytest.approx(1 / 8)
     assert sign_test_pvalue(0, 4) == 1.0
     assert sign_test_pvalue(2, 4) == pytest.approx(11 / 16)
     with pytest.raises(ValueError):
         sign_test_pvalue(5, 4)
+
+
+# The seed paper's Table A5 (arXiv RCEA, question-level direction check): method, paired questions n, share
+# "failure higher" as printed, one-sided exact sign-test p as printed.
+TABLE_A5 = [
+    ("GRPO", 52, "71.2", "0.0016"),
+    ("DAPO", 45, "73.3", "0.0012"),
+    ("Clip-Cov", 56, "80.4", "2.7e-6"),
+    ("KL-Cov", 57, "70.2", "0.0016"),
+    ("EP-GRPO", 52, "73.1", "0.0006"),
+    ("GTPO", 42, "50.0", "0.5612"),
+]
+
+
+@pytest.mark.parametrize("method, n, share, printed_p", TABLE_A5, ids=[row[0] for row in TABLE_A5])
+def test_the_sign_test_reproduces_the_seed_papers_table_a5(method, n, share, printed_p):
+    failure_higher = round(float(share) / 100 * n)
+    assert f"{100 * failure_higher / n:.1f}" == share  # the count the printed share comes from
+    p = sign_test_pvalue(failure_higher, n)
+    mantissa_digits = len(printed_p.split("e")[0].replace("0.", "").lstrip("0").replace(".", ""))
+    assert f"{p:.{mantissa_digits}g}" == f"{float(printed_p):.{mantissa_digits}g}", (method, p)
 
 
 def test_bootstrap_interval_is_seeded_and_covers_the_mean_at_about_the_nominal_rate():
