@@ -154,7 +154,8 @@ def summarise_run(method: str, seed: int, run_id: str, history: dict[str, Series
     probe_blocks = [tuple(map(math.fsum, zip(*blocks[b]))) for b in sorted(blocks)]
     lambdas = [v for _, v in history.get("opefo/lambda", []) if math.isfinite(v)]
     endpoint = any(math.isfinite(v) for _, v in history.get("rcea/endpoint_paired_ratio", []))
-    paired = "rcea/endpoint_" if endpoint else "rcea/"
+    ratio_key, low_key, high_key = (("rcea/endpoint_paired_ratio", "rcea/endpoint_ci_low", "rcea/endpoint_ci_high")
+                                    if endpoint else ("rcea/paired_ratio", "rcea/paired_ci_low", "rcea/paired_ci_high"))
     tradeoff_points = []
     for step, accuracy in history.get("val/accuracy", []):
         before = [v for s, v in entropy if step - late_window < s <= step] or [v for s, v in entropy[:1]]
@@ -165,9 +166,9 @@ def summarise_run(method: str, seed: int, run_id: str, history: dict[str, Series
         accuracy=_last(history.get("val/accuracy", [])), pass_at_k=_last(history.get("val/pass_at_k", [])),
         maj_at_k=_last(history.get("val/maj_at_k", [])), retention=_last(history.get("rcea/retention", [])),
         final_entropy=statistics.fmean(late) if late else math.nan,
-        paired_ratio=_last(history.get(f"{paired}paired_ratio", [])),
-        paired_ci_low=_last(history.get(f"{paired}{'ci' if endpoint else 'paired_ci'}_low", [])),
-        paired_ci_high=_last(history.get(f"{paired}{'ci' if endpoint else 'paired_ci'}_high", [])),
+        paired_ratio=_last(history.get(ratio_key, [])),
+        paired_ci_low=_last(history.get(low_key, [])),
+        paired_ci_high=_last(history.get(high_key, [])),
         paired_estimator="endpoint" if endpoint else "rolling",
         rolling_paired_ratio=_last(history.get("rcea/paired_ratio", [])),
         endpoint_coverage=_last(history.get("rcea/endpoint_coverage", [])),
@@ -304,8 +305,10 @@ def findings(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str,
         all_windows = sum(r.windows for m in methods.values() for r in m.runs)
         all_above = sum(r.windows_above_one for m in methods.values() for r in m.runs)
         all_below = sum(r.windows_below_one for m in methods.values() for r in m.runs)
-        per_seed = "; ".join(f"seed {r.seed}: {_fmt(r.paired_ratio)} "
-                             f"[{_fmt(r.paired_ci_low)}, {_fmt(r.paired_ci_high)}]" for r in runs)
+        per_seed = "; ".join(f"seed {r.seed}: {_fmt(r.paired_ratio)} [{_fmt(r.paired_ci_low)}, "
+                             f"{_fmt(r.paired_ci_high)}]" + (f" over {_fmt(100 * r.endpoint_coverage, 0)}% of the "
+                                                            f"probe questions" if r.paired_estimator == "endpoint"
+                                                            else "") for r in runs)
         verdict = "reproduced" if above == len(runs) else "partly" if above else "not reproduced"
         estimator = ("endpoint estimator at the last probe" if runs[0].paired_estimator == "endpoint"
                      else "rolling, last window")
