@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["entropy_by_stratum_figure", "entropy_change_figure", "paired_ratio_figure", "run_curves_figure",
-           "save_figures"]
+           "save_figures", "trailing_mean"]
 
 
 def entropy_by_stratum_figure(steps: Sequence[float], failed: Sequence[float], successful: Sequence[float],
@@ -40,7 +40,7 @@ def entropy_by_stratum_figure(steps: Sequence[float], failed: Sequence[float], s
     return fig
 
 
-def _rolling_mean(values: Sequence[float], window: int) -> list[float]:
+def trailing_mean(values: Sequence[float], window: int) -> list[float]:
     """Trailing mean over the last ``window`` finite values (NaN steps, e.g. no failed completion, are skipped)."""
     out, kept = [], []
     for value in values:
@@ -62,8 +62,8 @@ def run_curves_figure(val_steps: Sequence[float], val_accuracy: Sequence[float],
     left, right = fig.subplots(1, 2)
     left.plot(val_steps, val_accuracy, marker="o", color="tab:blue")
     left.set(xlabel="rollout step", ylabel="held-out greedy accuracy", title="Held-out accuracy", ylim=(0, 1))
-    right.plot(steps, _rolling_mean(failed, window), color="tab:red", label="failed")
-    right.plot(steps, _rolling_mean(successful, window), color="tab:green", label="successful")
+    right.plot(steps, trailing_mean(failed, window), color="tab:red", label="failed")
+    right.plot(steps, trailing_mean(successful, window), color="tab:green", label="successful")
     right.set(xlabel="rollout step", ylabel="token entropy (nats)",
               title=f"Entropy by verifier outcome ({window}-step mean)")
     right.legend()

@@ -43,9 +43,10 @@ def test_the_quickstart_figure_is_drawn_from_the_runs_mlflow_record(tmp_path):
 
     from mlflow.tracking import MlflowClient
 
-    from lightning_rlvr.plots import _rolling_mean
+    from lightning_rlvr.plots import trailing_mean
 
-    assert _rolling_mean([1.0, math.nan, 3.0, 5.0], 2) == [1.0, 1.0, 2.0, 4.0]  # NaN steps are skipped
+    assert trailing_mean([1.0, math.nan, 3.0, 5.0], 2) == [1.0, 1.0, 2.0, 4.0]  # NaN steps are skipped
+    assert trailing_mean([1.0, 2.0, 3.0, 4.0], 3) == [1.0, 1.5, 2.0, 3.0]  # a partial window at the start
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(tracking_uri=uri)
     run = client.create_run(client.create_experiment("quickstart"))

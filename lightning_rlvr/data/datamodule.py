@@ -163,10 +163,8 @@ class _Scored:
         return "correct" if self.score > 0.5 else "wrong"
 
 
-def _component_names(rows: list[_Scored]) -> list[str]:
-    """The reward components named in ``rows``, on every rank: each rank must log the same metric names, since the
-    step's metrics are averaged over ranks in one all-reduce (a rank whose rows lack a component logs its mean 0)."""
-    return sorted(all_union({name for r in rows for name in r.components}))
+def _component_names(rows: list[_Scored]) -> set[str]:
+    return {name for r in rows for name in r.components}
 
 
 class RolloutDataModule(pl.LightningDataModule):
@@ -512,7 +510,9 @@ class RolloutDataModule(pl.LightningDataModule):
                     f"{rounds} rounds (max_generation_rounds); training on fewer prompts this step"
                 )
         self.engine.release()  # all rounds are generated: the update may have the memory
-        batch = self._to_batch(kept, version)
+        # Every rank logs the same reward/<name> metrics (the step's metrics are averaged over ranks in one
+        # all-reduce): a rank whose rows lack a component logs its mean 0. Only the training rollout is collective.
+        batch = self._to_batch(kept, version, sorted(all_union(_component_names(kept))))
         generated = len(all_rows)
         batch.stats.update({
             "reward/verifier_errors": float(errors),
@@ -535,7 +535,8 @@ class RolloutDataModule(pl.LightningDataModule):
                                                  self.overlong_penalty_factor)
         return rewards
 
-    def _to_batch(self, rows: list[_Scored], version: int) -> RolloutBatch:
+    def _to_batch(self, rows: list[_Scored], version: int, component_names: list[str] | None = None) -> RolloutBatch:
+        """Batch ``rows``; ``component_names`` (default: those the rows have) are the reward components kept."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_token_ids[0]
         prompt_ids, prompt_mask = RolloutEngine.left_pad([r.prompt_ids for r in rows], pad)
         width = max(len(r.completion_ids) for r in rows)
@@ -560,7 +561,7 @@ class RolloutDataModule(pl.LightningDataModule):
         correct = scores > 0.5
         lengths = response_mask.sum(-1)
         components = {name: torch.tensor([r.components.get(name, 0.0) for r in rows], dtype=torch.float32)
-                      for name in _component_names(rows)}
+                      for name in (sorted(_component_names(rows)) if component_names is None else component_names)}
         return RolloutBatch(
             input_ids=torch.cat([prompt_ids, completion], dim=1),
             attention_mask=torch.cat([prompt_mask, response_mask.long()], dim=1),

@@ -248,20 +248,20 @@ def config_overrides(own: dict[str, Any], run: dict[str, Any], shared_callbacks:
         flat = _flatten({k: _resolved(config.get(k) or {}, owner) for k, owner in owners.items()}, "")
         return {k: v for k, v in flat.items() if not k.startswith(_NOT_TRAINING)}
 
-    def show(value: Any) -> str:
-        return value if isinstance(value, str) else json.dumps(value)
+    def differences(mine: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
+        def show(value: Any) -> str:
+            return value if isinstance(value, str) else json.dumps(value)
 
-    mine, theirs = settings(own), settings(run)
-    out = [f"{key}: {show(mine.get(key, _DEFAULT))} → {show(theirs.get(key, _DEFAULT))}"
-           for key in sorted(mine.keys() | theirs.keys()) if mine.get(key, _DEFAULT) != theirs.get(key, _DEFAULT)]
+        return [f"{prefix}{key}: {show(mine.get(key, _DEFAULT))} → {show(theirs.get(key, _DEFAULT))}"
+                for key in sorted(mine.keys() | theirs.keys()) if mine.get(key, _DEFAULT) != theirs.get(key, _DEFAULT)]
+
+    out = differences(settings(own), settings(run))
     own_callbacks, run_callbacks = callback_arguments(own), callback_arguments(run)
     for name, arguments in own_callbacks.items():
         if name not in run_callbacks:
             out.append(f"without {name}")
-            continue
-        mine, theirs = _flatten(arguments, ""), _flatten(run_callbacks[name], "")
-        out += [f"{name}.{key}: {show(mine.get(key, _DEFAULT))} → {show(theirs.get(key, _DEFAULT))}"
-                for key in sorted(mine.keys() | theirs.keys()) if mine.get(key, _DEFAULT) != theirs.get(key, _DEFAULT)]
+        else:
+            out += differences(_flatten(arguments, ""), _flatten(run_callbacks[name], ""), f"{name}.")
     out += [f"with {name}" for name in run_callbacks if name not in own_callbacks and name not in shared_callbacks]
     return out
 

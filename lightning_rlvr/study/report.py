@@ -40,6 +40,7 @@ from matplotlib.figure import Figure
 
 from lightning_rlvr.metrics.entropy_change import average_ranks, pearson, sign_agreement, spearman
 from lightning_rlvr.metrics.tradeoff import exponential_tradeoff_fit
+from lightning_rlvr.plots import trailing_mean
 from lightning_rlvr.study.config import StudyConfig, callback_arguments, config_overrides
 from lightning_rlvr.study.runner import finished_runs
 
@@ -468,16 +469,6 @@ def _colours(n: int) -> list:
     return [cmap(i % 20) for i in range(n)]
 
 
-def _smooth(values: Sequence[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
 def _mean_curve(runs: list[RunSummary], attribute: str) -> tuple[list[int], list[float]]:
     """Mean over seeds at the steps every run logged."""
     series = [dict(getattr(r, attribute)) for r in runs]
@@ -491,7 +482,7 @@ def trajectories_figure(methods: dict[str, MethodSummary], smooth: int = 20) -> 
     left, right = fig.subplots(1, 2)
     for colour, summary in zip(_colours(len(methods)), methods.values()):
         steps, values = _mean_curve(summary.runs, "entropy")
-        left.plot(steps, _smooth(values, smooth), color=colour, lw=1.2, label=summary.method)
+        left.plot(steps, trailing_mean(values, smooth), color=colour, lw=1.2, label=summary.method)
         steps, values = _mean_curve(summary.runs, "val_accuracy")
         right.plot(steps, values, color=colour, marker="o", ms=3, lw=1.2, label=summary.method)
     left.set(xlabel="rollout step", ylabel="token entropy (nats)", title=f"Entropy ({smooth}-step mean, seed mean)")

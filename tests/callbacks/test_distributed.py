@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_rlvr.callbacks import OPEFO, STEER, ClipCov, KLCov, PositionShaping, TopEntropyTokens
-from lightning_rlvr.distributed import all_max, all_sum, gather_cat
+from lightning_rlvr.distributed import all_max, all_sum, all_union, gather_cat
 from lightning_rlvr.metrics.entropy_analysis import BucketedMean, position_buckets, rank_buckets
 
 from .helpers import micro_context, step_context
@@ -70,12 +70,13 @@ def worker(rank: int, init_file: str, out_dir: str) -> None:
     try:
         torch.set_num_threads(1)
         values, offset = gather_cat(torch.arange(3 + rank, dtype=torch.float32) + 10 * rank)
+        names = all_union({"correct", "format"} if rank == 0 else {"correct", "length"})  # reward components
         rows = torch.arange(4) + 4 * rank
         clip, top, kl = outputs(rows)
         kl_sum = all_sum(kl.detach())  # the ranks' losses add up to the whole batch's
         shaped, buckets, by_position, max_adv = stage_outputs(rows)
         steer, steer_metrics = steer_outputs(rows)
-        torch.save({"values": values, "offset": offset, "clip": clip, "top": top, "kl_sum": kl_sum,
+        torch.save({"values": values, "offset": offset, "names": names, "clip": clip, "top": top, "kl_sum": kl_sum,
                     "shaped": shaped, "buckets": buckets, "by_position": by_position, "max_adv": max_adv,
                     "steer": steer, "steer_metrics": steer_metrics},
                    os.path.join(out_dir, f"rank{rank}.pt"))
@@ -90,6 +91,7 @@ def test_two_ranks_select_the_same_tokens_as_one_process_on_the_whole_batch(tmp_
     for r, result in enumerate(ranks):
         assert torch.equal(result["values"], expected_values)
         assert result["offset"] == 3 * r
+        assert result["names"] == {"correct", "format", "length"}  # every rank logs every component's name
 
     clip, top, kl = outputs(torch.arange(8))
     assert (clip == 0).any() and (top > 0).any()
