@@ -48,7 +48,7 @@ def interventions(name: str) -> list:
         "adaptive_entropy": [cb.AdaptiveEntropy()],
         "gtpo": [cb.GTPO()],
         "perplexity_shaping": [cb.StageDetector(), cb.PerplexityShaping()],
-        "position_shaping": [cb.StageDetector(), cb.PositionShaping(active_steps=None)],
+        "position_shaping": [cb.StageDetector(), cb.PositionShaping(active_steps=None, active_fraction=None)],
         "steer": [cb.STEER()],
         "paec": [cb.PAEC()],
         "opefo": [cb.OPEFO()],
@@ -62,7 +62,7 @@ def interventions(name: str) -> list:
     # One of each family that can act together: advantage shaping (GTPO, stage-aware position shaping, HAPO),
     # token selection and weighting (TopEntropyTokens, STEER), covariance control (Clip-Cov, KL-Cov), entropy
     # regularisation (AdaptiveEntropy, PAEC), flow balancing (OPEFO) and EP-GRPO's reference-anchored term.
-    stack = [cb.StageDetector(), cb.GTPO(), cb.PositionShaping(active_steps=None), cb.HAPO(), cb.TopEntropyTokens(),
+    stack = [cb.StageDetector(), cb.GTPO(), cb.PositionShaping(active_steps=None, active_fraction=None), cb.HAPO(), cb.TopEntropyTokens(),
              cb.STEER(), cb.ClipCov(), cb.KLCov(), cb.AdaptiveEntropy(), cb.PAEC(), cb.OPEFO()]
     if name == "all_paper":
         return [*stack, cb.EPGRPO()]

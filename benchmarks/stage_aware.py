@@ -44,8 +44,8 @@ from _setting import addition_data, quiet_trainer  # benchmarks/_setting.py (the
 METHODS = {
     "grpo": lambda: [],
     "stage_aware": lambda: [PerplexityShaping(active_in="plateau"),
-                            PositionShaping(active_in="plateau", active_steps=None)],
-    "authors": lambda: [PerplexityShaping(), PositionShaping(active_steps=(200, 299))],
+                            PositionShaping(active_in="plateau", active_steps=None, active_fraction=None)],
+    "authors": lambda: [PerplexityShaping(), PositionShaping(active_steps=(200, 299), active_fraction=None)],
 }
 
 
@@ -81,7 +81,9 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, float]:
         out[f"entropy_slope_{name}"] = _mean(h["analysis/entropy_slope"], steps)
         out[f"accuracy_slope_{name}"] = _mean(h["analysis/accuracy_slope"], steps)
         for polarity in ("positive", "negative"):
-            out[f"dH_{polarity}_{name}"] = _mean(h[f"analysis/delta_entropy/{polarity}_contribution"], steps)
+            # per token (comparable across polarities) and as a share of the batch mean (grows with token share)
+            out[f"dH_{polarity}_{name}"] = _mean(h[f"analysis/delta_entropy/{polarity}"], steps)
+            out[f"dH_{polarity}_share_{name}"] = _mean(h[f"analysis/delta_entropy/{polarity}_contribution"], steps)
     return out
 
 
@@ -104,9 +106,11 @@ def main() -> None:
                   f"H {r['entropy']:.3f}, held-out {r['accuracy']:.3f}, pass@8 {r['pass_at_8']:.3f}, "
                   f"slopes rising H {r['entropy_slope_rising']:.2e} acc {r['accuracy_slope_rising']:.2e} / "
                   f"plateau H {r['entropy_slope_plateau']:.2e} acc {r['accuracy_slope_plateau']:.2e}, "
-                  f"dH contributions (successful, failed) rising {r['dH_positive_rising']:.2e}, "
+                  f"dH per token (successful, failed) rising {r['dH_positive_rising']:.2e}, "
                   f"{r['dH_negative_rising']:.2e} / plateau {r['dH_positive_plateau']:.2e}, "
-                  f"{r['dH_negative_plateau']:.2e}, "
+                  f"{r['dH_negative_plateau']:.2e}, as contributions rising {r['dH_positive_share_rising']:.2e}, "
+                  f"{r['dH_negative_share_rising']:.2e} / plateau {r['dH_positive_share_plateau']:.2e}, "
+                  f"{r['dH_negative_share_plateau']:.2e}, "
                   f"{r['seconds']:.0f} s", flush=True)
 
     def stat(runs: list[dict], key: str) -> str:

@@ -19,12 +19,20 @@ from torch import Tensor
 if TYPE_CHECKING:
     from lightning_rlvr.data.batch import RolloutBatch
 
-__all__ = ["InMemoryLogger", "completions_artifact", "completions_table", "log_table"]
+__all__ = ["InMemoryLogger", "completions_artifact", "completions_table", "endpoint_ratios_artifact", "log_table"]
 
 
 def completions_artifact(step: int) -> str:
     """The run-relative artifact path of rollout step ``step``'s completions table."""
     return f"completions/step_{step:06d}.json"
+
+
+def endpoint_ratios_artifact(step: int) -> str:
+    """The run-relative artifact path of the per-question endpoint log ratios that
+    :class:`~lightning_rlvr.callbacks.RCEADiagnostics` (``endpoint_samples > 0``) logs at rollout step ``step``:
+    a table with columns ``question`` (index in the probe set), ``log_ratio`` (``log H_fail(q) / H_succ(q)``),
+    ``failed`` and ``successful`` (responses of each outcome), one row per paired question."""
+    return f"rcea/endpoint_step_{step:06d}.json"
 
 
 def completions_table(batch: RolloutBatch, entropy: Tensor, tokenizer: Any, step: int,

@@ -465,6 +465,23 @@ class RLVRModule(pl.LightningModule):
             needs = needs | cb.needs
         return needs
 
+    def planned_rollout_steps(self) -> int:
+        """Rollout steps this fit will run: ``trainer.max_steps`` over the optimizer steps each rollout makes
+        (``ppo_epochs × ⌈rows / minibatch_size⌉``, rows = the DataModule's ``prompts_per_step × group_size`` per rank).
+
+        What a schedule given as a fraction of the run (``PositionShaping(active_fraction=...)``) is resolved against.
+
+        Raises:
+            RuntimeError: outside a fit, or when ``max_steps`` does not bound the run.
+        """
+        trainer = self._trainer
+        if trainer is None or trainer.max_steps is None or trainer.max_steps < 1:
+            raise RuntimeError("planned_rollout_steps: the run length is unknown (needs a Trainer with max_steps >= 1)")
+        data = trainer.datamodule
+        rows = data.prompts_per_step * data.group_size
+        minibatch = min(self.hparams.minibatch_size or rows, rows)
+        return math.ceil(trainer.max_steps / (self.hparams.ppo_epochs * math.ceil(rows / minibatch)))
+
     def wants_behaviour_stats(self) -> bool:
         """Whether a step needs the behaviour policy's stats before its first update (several updates per rollout,
         or an intervention that reads them); the rollout engine is then asked for them (``HFEngine`` computes them

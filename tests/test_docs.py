@@ -109,10 +109,10 @@ def _logged_metric_names() -> set[str]:
         cb.OPEFO(), cb.STEER(), cb.HAPO(), cb.PAEC(), cb.EntropyBonus(coef=1e-3), cb.AdaptiveEntropy(target=0.3),
         cb.ClipCov(ratio=0.1, lower=0.0), cb.TopEntropyTokens(), cb.GTPO(), cb.EntropyChangeProbe(),
         cb.RCEADiagnostics(every_n_steps=2, retention_every_n_steps=3, probe_size=4, probe_samples=2, plots=False,
-                           endpoint_samples=4, endpoint_min_per_stratum=1),
+                           rarefaction_size=2, endpoint_samples=4, endpoint_min_per_stratum=1),
         cb.StageDetector(min_segment=2, patience=1), cb.PerplexityShaping(),
-        cb.PositionShaping(active_steps=None, entropy_quantile=0.5), cb.EntropyPerformanceAnalysis(slope_window=2),
-        cb.EPGRPO(),
+        cb.PositionShaping(active_steps=None, active_fraction=None, entropy_quantile=0.5), cb.EntropyPerformanceAnalysis(slope_window=2),
+        cb.EPGRPO(), cb.PolarityFilter("negative"),
     ]
     two_updates = [cb.KLCov(ratio=0.1), cb.StageGated(cb.ClipCov(ratio=0.1, lower=0.0), active_in="always"),
                    cb.AdaptiveEntropy.aer()]

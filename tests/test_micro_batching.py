@@ -60,7 +60,7 @@ ACTIVE = {
     EntropyBonus: lambda: [EntropyBonus(coef=0.05)],
     AdaptiveEntropy: lambda: [AdaptiveEntropy(init_coef=0.05, max_coef=0.1, gate=False)],
     PerplexityShaping: lambda: [PerplexityShaping(alpha=0.5)],
-    PositionShaping: lambda: [PositionShaping(alpha=0.5, active_steps=None)],
+    PositionShaping: lambda: [PositionShaping(alpha=0.5, active_steps=None, active_fraction=None)],
     RCEADiagnostics: lambda: [RCEADiagnostics(every_n_steps=1, num_resamples=20, plots=False)],
     StageGated: lambda: [StageDetector(), StageGated(ClipCov(ratio=0.2, lower=-10.0, upper=10.0), active_in="always")],
 }

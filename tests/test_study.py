@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
@@ -17,7 +18,15 @@ from lightning_rlvr.study import StudyConfigError, finished_runs, load_study, va
 from lightning_rlvr.study import report as study_report
 from lightning_rlvr.study.__main__ import main
 from lightning_rlvr.study.config import config_overrides, merge_method
-from lightning_rlvr.study.report import FAR_ABOVE, MethodSummary, findings, spearman_permutation, summarise_run
+from lightning_rlvr.study.report import (
+    FAR_ABOVE,
+    MethodSummary,
+    findings,
+    polarity_change,
+    pooled_paired_ratio,
+    spearman_permutation,
+    summarise_run,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "configs" / "study.yaml"
@@ -33,7 +42,7 @@ def test_shipped_study_has_every_method_of_the_issue_and_every_run_config_parses
     assert set(study.methods) == {"grpo", "dapo", "clip_cov", "clip_cov_reference", "kl_cov", "kl_cov_reference",
                                   "top_entropy_tokens", "adaptive_entropy", "gtpo", "gtpo_group", "ppl_shaping",
                                   "position_shaping", "stage_aware_stacked", "steer", "paec", "opefo",
-                                  "opefo_two_minibatches", "hapo", "ep_grpo"}
+                                  "opefo_two_minibatches", "hapo", "ep_grpo", "positive_only", "negative_only"}
     assert study.seeds == (0, 1, 2) and study.report.baseline == "grpo"
     validate_runs(study)  # every method through the lightning_rlvr parser
 
@@ -106,11 +115,12 @@ def micro_study(tmp_path: Path, methods: dict) -> Path:
     raw["report"].update(late_window=4, entropy_keepers=["clip_cov"])
     trainer = raw["base"]["trainer"]
     trainer.update(max_steps=24, val_check_interval=6)  # 12 rollout steps x 2 minibatches
-    warm_start, rcea, probe, stage = trainer["callbacks"]
+    warm_start, rcea, probe, stage, analysis = trainer["callbacks"]
     warm_start["init_args"]["steps"] = 150  # enough that some answers are right: advantages, flows, changes
     rcea["init_args"].update(every_n_steps=4, retention_every_n_steps=6, num_resamples=50, probe_size=8)
     probe["init_args"].update(every_n_steps=2, window=3)
     stage["init_args"].update(min_segment=3, patience=1, min_drop=0.0)
+    analysis["init_args"].update(every_n_steps=2, slope_window=3)
     raw["base"]["data"]["val_max_prompts"] = 24
     path = tmp_path / "micro.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -175,7 +185,7 @@ def test_micro_study_report_matches_the_mlflow_runs_and_a_rerun_skips_them(tmp_p
         assert int(fits[method][-1]) == len(history("val/accuracy"))  # one point per evaluation
         # The Markdown table shows the same numbers (one seed: sd 0).
         assert rows[method][1] == f"{expected['accuracy']:.3f} ± 0.000"
-        assert rows[method][5] == f"{expected['final_entropy']:.3f} ± 0.000"
+        assert rows[method][6] == f"{expected['final_entropy']:.3f} ± 0.000"
         observed = [v for _, v in history("probe/observed")]
         flow = [v for _, v in history("probe/flow_pred")]
         assert len(observed) == 6 and any(f != 0 for f in flow)  # the runs learned: a real comparison
@@ -398,3 +408,47 @@ def test_the_endpoint_paired_ratio_is_preferred_when_the_run_logged_it():
                                                                                                 0.97, 1.14)
     assert run.rolling_paired_ratio == 1.3 and run.endpoint_coverage == 0.25
     assert (run.windows, run.windows_above_one) == (rolling.windows, rolling.windows_above_one)  # rolling windows
+
+
+def test_pooled_paired_ratio_is_the_geometric_mean_of_all_rows_with_a_question_cluster_bootstrap():
+    rows = [(0, 0.2), (1, -0.1), (2, 0.4), (0, 0.3), (2, 0.1)]  # questions 0 and 2 paired in two seeds
+    pooled = pooled_paired_ratio(rows, num_resamples=200)
+    assert pooled["ratio"] == pytest.approx(math.exp((0.2 - 0.1 + 0.4 + 0.3 + 0.1) / 5))
+    assert (pooled["questions"], pooled["rows"]) == (3, 5)
+    assert pooled["ci_low"] <= pooled["ratio"] <= pooled["ci_high"]
+    # Three seeds that paired the same questions with the same ratios carry no more information than one: resampling
+    # questions (clusters) gives one seed's interval, where resampling rows would shrink it by about √3.
+    gen = torch.Generator().manual_seed(1)
+    one_seed = [(q, v) for q, v in enumerate((0.3 * torch.randn(60, generator=gen)).tolist())]
+    width = {name: math.log(p["ci_high"]) - math.log(p["ci_low"])
+             for name, p in (("one", pooled_paired_ratio(one_seed, num_resamples=4000)),
+                             ("three", pooled_paired_ratio(one_seed * 3, num_resamples=4000)),
+                             ("rows", pooled_paired_ratio([(i, v) for i, (_, v) in enumerate(one_seed * 3)],
+                                                          num_resamples=4000)))}
+    assert width["three"] == pytest.approx(width["one"], rel=0.1)
+    assert width["rows"] == pytest.approx(width["one"] / math.sqrt(3), rel=0.15)
+    assert math.isnan(pooled_paired_ratio([])["ratio"])
+
+
+def test_polarity_change_compares_per_token_means_split_at_the_transition():
+    history = {"analysis/delta_entropy/negative": [(0, -0.004), (10, -0.002), (20, -0.001), (30, math.nan)],
+               "analysis/delta_entropy/positive": [(0, -0.001), (10, -0.001), (20, -0.003), (30, -0.001)],
+               "analysis/delta_entropy/negative_contribution": [(0, -0.001), (10, -0.0005), (20, -0.0002)],
+               "analysis/delta_entropy/positive_contribution": [(0, -0.0008), (10, -0.0008), (20, -0.0024)]}
+    change = polarity_change(history, 20.0)
+    assert change["rising/failed"] == pytest.approx(-0.003) and change["rising/successful"] == pytest.approx(-0.001)
+    assert change["rising/steps"] == 2 and change["plateau/steps"] == 2
+    assert change["plateau/failed"] == pytest.approx(-0.001) and change["plateau/successful"] == pytest.approx(-0.002)
+    assert change["rising/failed_contribution"] == pytest.approx(-0.00075)
+    whole = polarity_change(history, math.nan)  # no plateau detected: the whole run is the rising stage
+    assert whole["rising/steps"] == 4 and whole["plateau/steps"] == 0 and math.isnan(whole["plateau/failed"])
+    # (f): failed falls more per token in the rising stage of every baseline seed -> reproduced; in one of two -> partly
+    study = load_study({**shipped(), "report": {"baseline": "grpo", "entropy_keepers": ["clip_cov"]}})
+    runs = [fake_run("grpo", s, 0.2, 0.7) for s in range(2)]
+    for run in runs:
+        run.polarity_change = change
+    methods = {"grpo": MethodSummary.of("grpo", runs)}
+    assert findings(study, methods)["f"]["verdict"] == "reproduced"
+    runs[1].polarity_change = polarity_change({**history, "analysis/delta_entropy/negative": [(0, 0.0), (10, 0.0)]},
+                                              20.0)
+    assert findings(study, {"grpo": MethodSummary.of("grpo", runs)})["f"]["verdict"] == "partly"

@@ -13,6 +13,7 @@ from lightning_rlvr.callbacks.kl_cov import KLCov
 from lightning_rlvr.callbacks.opefo import OPEFO
 from lightning_rlvr.callbacks.paec import PAEC
 from lightning_rlvr.callbacks.perplexity_shaping import PerplexityShaping
+from lightning_rlvr.callbacks.polarity_filter import PolarityFilter
 from lightning_rlvr.callbacks.position_shaping import PositionShaping
 from lightning_rlvr.callbacks.rcea_diagnostics import RCEADiagnostics
 from lightning_rlvr.callbacks.stage_detector import StageDetector
@@ -39,6 +40,7 @@ __all__ = [
     "MicroBatchContext",
     "Needs",
     "PerplexityShaping",
+    "PolarityFilter",
     "PositionShaping",
     "RCEADiagnostics",
     "StageDetector",

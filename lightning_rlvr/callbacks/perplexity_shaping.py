@@ -14,7 +14,7 @@ Tukey's fences (1.5 IQR), ``α = 0.01``. A weight is positive, so every advantag
 responses get larger magnitudes for both signs. **The released low-PPL branch is a no-op** (``w`` is
 computed, printed and never multiplied in; only ``use_ppl_high`` applies it): run as shipped, their
 ``low_ppl.sh`` is plain GRPO. This callback applies the weight, as the paper describes. The code gates
-nothing (it shapes every step); ``active_in`` / ``active_steps`` gate it here.
+nothing (it shapes every step); ``active_in`` / ``active_steps`` / ``active_fraction`` gate it here.
 
 ``preserve_mass=True`` (ours) rescales, per group and advantage sign, so that the positive and the
 negative advantage mass of each group are unchanged: only *which* responses carry it changes.
@@ -57,6 +57,7 @@ class PerplexityShaping(Intervention):
         preserve_mass: rescale per group and sign so the advantage mass is unchanged (ours; off = authors).
         active_in: ``"always"`` (authors), ``"rising"`` or ``"plateau"`` (needs a ``StageDetector``).
         active_steps: ``(start, stop)`` rollout-step window, or ``None`` (every step).
+        active_fraction: ``(a, b)`` window as fractions of the run's rollout steps, or ``None``.
 
     Example::
 
@@ -70,7 +71,7 @@ class PerplexityShaping(Intervention):
 
     def __init__(self, alpha: float = 0.01, weight_range: tuple[float, float] = (0.8, 1.2), favour: str = "low",
                  iqr_factor: float = 1.5, preserve_mass: bool = False, active_in: ActiveIn = "always",
-                 active_steps: tuple[int, int] | None = None) -> None:
+                 active_steps: tuple[int, int] | None = None, active_fraction: tuple[float, float] | None = None) -> None:
         if not alpha > 0:
             raise ValueError(f"PerplexityShaping: alpha must be > 0, got {alpha}")
         low, high = (float(w) for w in weight_range)
@@ -82,7 +83,7 @@ class PerplexityShaping(Intervention):
             raise ValueError(f"PerplexityShaping: iqr_factor must be >= 0, got {iqr_factor}")
         self.alpha, self.weight_range, self.favour = float(alpha), (low, high), favour
         self.iqr_factor, self.preserve_mass = float(iqr_factor), bool(preserve_mass)
-        self.gate = ActivationGate("PerplexityShaping", active_in, active_steps)
+        self.gate = ActivationGate("PerplexityShaping", active_in, active_steps, active_fraction)
 
     @property
     @override
@@ -92,7 +93,7 @@ class PerplexityShaping(Intervention):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.gate.detector(trainer)
+        self.gate.resolve(trainer)
 
     @override
     def shape_advantages(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: StepContext) -> Tensor | None:

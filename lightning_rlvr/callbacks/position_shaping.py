@@ -9,9 +9,13 @@ relative position, capped so that no advantage changes sign:
     A'_{i,t} = A_{i,t} + \\mathrm{sign}(A_{i,t})\\,\\min\\!\\big(α\\,σ(k(u_{i,t} - 0.5)),\\; ½|A_{i,t}|\\big),
 
 ``α = 0.1``, ``k = 15``, for both signs (zero advantages stay zero), switched on only for verl steps
-``200 < global_steps < 300`` — here ``active_steps=(200, 299)`` in 0-based rollout steps, the default.
-``active_in="plateau"`` gates it on a :class:`~lightning_rlvr.callbacks.StageDetector` instead (set
-``active_steps=None``), which is what the paper's plateau-stage motivation suggests.
+``200 < global_steps < 300`` of 600-step runs, where the authors' plateau begins. The window is kept as that
+fraction of the run by default, ``active_fraction=(1/3, 1/2)`` (rollout steps ``round(N/3) ≤ step < round(N/2)``
+of an ``N``-step fit: 200–299 at 600 steps, one step more than the authors' 200–298 in 0-based steps), so that it
+falls where the plateau begins in a run of any length; the authors' absolute steps are ``active_steps=(200, 299)``
+with ``active_fraction=None`` (in a 4,500-step run they are the rising stage). ``active_in="plateau"`` gates it on
+a :class:`~lightning_rlvr.callbacks.StageDetector` instead (with both windows ``None``), which is what the paper's
+plateau-stage motivation suggests.
 
 Options that are ours, not the code's: ``entropy_quantile=q`` gives the bonus only to tokens whose
 old-policy entropy is at least the batch's ``q``-quantile (lower order statistic, all ranks) (the paper's finding concerns *high-entropy*
@@ -54,12 +58,16 @@ class PositionShaping(Intervention):
             ``None`` = every token (authors).
         preserve_mass: rescale each response to its original ``Σ_t |A|`` (ours; off = authors).
         active_in: ``"always"``, ``"rising"`` or ``"plateau"`` (needs a ``StageDetector``).
-        active_steps: ``(start, stop)`` rollout-step window (authors: ``(200, 299)``) or ``None``.
+        active_steps: ``(start, stop)`` rollout-step window (the authors' code: ``(200, 299)``) or ``None``.
+        active_fraction: ``(a, b)`` window as fractions of the run's rollout steps (default ``(1/3, 1/2)``: where
+            the authors' window sits in their runs) or ``None``; excludes ``active_steps``.
 
     Example::
 
         >>> from lightning_rlvr.callbacks import PositionShaping
-        >>> PositionShaping().gate.active_steps
+        >>> PositionShaping().gate.active_fraction
+        (0.3333333333333333, 0.5)
+        >>> PositionShaping(active_steps=(200, 299), active_fraction=None).gate.active_steps
         (200, 299)
     """
 
@@ -67,7 +75,8 @@ class PositionShaping(Intervention):
 
     def __init__(self, alpha: float = 0.1, steepness: float = 15.0, center: float = 0.5, cap: float = 0.5,
                  entropy_quantile: float | None = None, preserve_mass: bool = False, active_in: ActiveIn = "always",
-                 active_steps: tuple[int, int] | None = (200, 299)) -> None:
+                 active_steps: tuple[int, int] | None = None,
+                 active_fraction: tuple[float, float] | None = (1 / 3, 1 / 2)) -> None:
         if not alpha > 0:
             raise ValueError(f"PositionShaping: alpha must be > 0, got {alpha}")
         if not steepness > 0:
@@ -79,7 +88,7 @@ class PositionShaping(Intervention):
         self.alpha, self.steepness, self.center, self.cap = float(alpha), float(steepness), float(center), float(cap)
         self.entropy_quantile = None if entropy_quantile is None else float(entropy_quantile)
         self.preserve_mass = bool(preserve_mass)
-        self.gate = ActivationGate("PositionShaping", active_in, active_steps)
+        self.gate = ActivationGate("PositionShaping", active_in, active_steps, active_fraction)
         self.needs = Needs(old_stats=self.entropy_quantile is not None)
 
     @property
@@ -91,7 +100,7 @@ class PositionShaping(Intervention):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.gate.detector(trainer)
+        self.gate.resolve(trainer)
 
     def _bonus_mask(self, ctx: StepContext) -> Tensor:
         """Tokens that may get the bonus: all valid ones, or those at/above the global entropy quantile."""

@@ -10,6 +10,11 @@ Semantics:
 - ``active_steps=(start, stop)``: active for rollout steps ``start ≤ step < stop`` (0-based: the first
   rollout step is 0). The authors' position window ``200 < global_steps < 300`` of verl (whose first
   step is 1) is ``(200, 299)``.
+- ``active_fraction=(a, b)``: the same window as fractions of the run, ``round(a·N) ≤ step < round(b·N)`` with
+  ``N`` the fit's planned rollout steps (:meth:`~lightning_rlvr.RLVRModule.planned_rollout_steps`, resolved at
+  ``setup``). The authors' window sits at 1/3–1/2 of their 600-step runs, where their plateau begins; carried to a
+  run of another length as absolute steps, it lands elsewhere (4–7 % of a 4,500-step run: the rising stage).
+  ``active_steps`` and ``active_fraction`` exclude each other.
 - ``active_in="rising" | "plateau"``: active while the detector reports that stage; the detector updates
   after each step's optimizer steps, so step ``k`` uses the stage decided after step ``k − 1``.
 - Both given: active when both hold. The decision is taken once per step and cached, so every hook of
@@ -44,9 +49,11 @@ class ActivationGate:
         owner: name used in error messages.
         active_in: ``"always"``, ``"rising"`` or ``"plateau"`` (the last two need a ``StageDetector``).
         active_steps: ``(start, stop)``, active for ``start ≤ step < stop``; ``None`` = every step.
+        active_fraction: ``(a, b)`` with ``0 ≤ a < b ≤ 1``, the window as fractions of the run's rollout steps.
     """
 
-    def __init__(self, owner: str, active_in: ActiveIn = "always", active_steps: tuple[int, int] | None = None) -> None:
+    def __init__(self, owner: str, active_in: ActiveIn = "always", active_steps: tuple[int, int] | None = None,
+                 active_fraction: tuple[float, float] | None = None) -> None:
         if active_in not in ("always", "rising", "plateau"):
             raise ValueError(f"{owner}: active_in must be 'always', 'rising' or 'plateau', got {active_in!r}")
         if active_steps is not None:
@@ -54,11 +61,32 @@ class ActivationGate:
             if len(active_steps) != 2 or not 0 <= active_steps[0] < active_steps[1]:
                 raise ValueError(f"{owner}: active_steps must be (start, stop) with 0 <= start < stop, "
                                  f"got {active_steps}")
+        if active_fraction is not None:
+            if active_steps is not None:
+                raise ValueError(f"{owner}: give active_steps or active_fraction, not both (got {active_steps} and "
+                                 f"{tuple(active_fraction)}; pass active_fraction=None for absolute steps)")
+            active_fraction = tuple(float(f) for f in active_fraction)
+            if len(active_fraction) != 2 or not 0 <= active_fraction[0] < active_fraction[1] <= 1:
+                raise ValueError(f"{owner}: active_fraction must be (a, b) with 0 <= a < b <= 1, got {active_fraction}")
         self.owner, self.active_in, self.active_steps = owner, active_in, active_steps
+        self.active_fraction = active_fraction
         self._cached: tuple[int, bool] | None = None
+        #: ``active_fraction`` resolved to rollout steps at :meth:`resolve`.
+        self.resolved_steps: tuple[int, int] | None = active_steps
 
     def describe(self) -> dict[str, Any]:
-        return {"active_in": self.active_in, "active_steps": self.active_steps}
+        out = {"active_in": self.active_in, "active_steps": self.active_steps}
+        if self.active_fraction is not None:  # only then, so the checkpoint keys of step windows are unchanged
+            out["active_fraction"] = self.active_fraction
+        return out
+
+    def resolve(self, trainer: pl.Trainer) -> None:
+        """Check the stage detector is there and turn ``active_fraction`` into rollout steps (call at ``setup``)."""
+        self.detector(trainer)
+        if self.active_fraction is not None:
+            total = trainer.lightning_module.planned_rollout_steps()
+            start, stop = (round(f * total) for f in self.active_fraction)
+            self.resolved_steps = (start, max(stop, start + 1))
 
     def detector(self, trainer: pl.Trainer) -> StageDetector | None:
         """The trainer's stage detector (required when ``active_in`` names a stage)."""
@@ -77,8 +105,10 @@ class ActivationGate:
         if self._cached is not None and self._cached[0] == step:
             return self._cached[1]
         on = True
-        if self.active_steps is not None:
-            on = self.active_steps[0] <= step < self.active_steps[1]
+        if self.active_fraction is not None and self.resolved_steps is None:
+            raise RuntimeError(f"{self.owner}: active_fraction was not resolved to steps (call resolve at setup)")
+        if self.resolved_steps is not None:
+            on = self.resolved_steps[0] <= step < self.resolved_steps[1]
         detector = self.detector(trainer)
         if detector is not None:
             on = on and detector.stage == self.active_in
@@ -103,6 +133,7 @@ class StageGated(Intervention):
         intervention: the intervention to gate.
         active_in: ``"always"``, ``"rising"`` or ``"plateau"``.
         active_steps: ``(start, stop)`` rollout-step window or ``None``.
+        active_fraction: ``(a, b)`` window as fractions of the run's rollout steps, or ``None``.
 
     Example::
 
@@ -112,11 +143,12 @@ class StageGated(Intervention):
     """
 
     def __init__(self, intervention: Intervention, active_in: ActiveIn = "plateau",
-                 active_steps: tuple[int, int] | None = None) -> None:
+                 active_steps: tuple[int, int] | None = None, active_fraction: tuple[float, float] | None = None) -> None:
         if not isinstance(intervention, Intervention):
             raise TypeError(f"StageGated: expected an Intervention, got {type(intervention).__name__}")
         self.inner = intervention
-        self.gate = ActivationGate(f"StageGated({type(intervention).__name__})", active_in, active_steps)
+        self.gate = ActivationGate(f"StageGated({type(intervention).__name__})", active_in, active_steps,
+                                   active_fraction)
         self.needs = intervention.needs
         self.metric_prefix = intervention.metric_prefix or type(intervention).__name__.lower()
 
@@ -130,7 +162,7 @@ class StageGated(Intervention):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.gate.detector(trainer)  # fail before training when the detector is missing
+        self.gate.resolve(trainer)  # fail before training when the detector is missing
         self.inner.setup(trainer, pl_module, stage)
 
     @override

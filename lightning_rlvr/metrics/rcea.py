@@ -15,7 +15,11 @@ estimators below are our reading of its tables) asks *which* uncertainty RL remo
   stratum: the share of a stratum's positive covariance mass held by its top 1 / 2.5 / 5 % tokens
   (:class:`CovarianceTailConcentration`; the paper: failed 87–95 % vs successful 6–25 %);
 - **correct-solution-mode retention** and **maj@k**: :func:`cluster_modes`, :func:`mode_retention`,
-  :func:`majority_vote_correct`.
+  :func:`majority_vote_correct`;
+- **rarefied effective modes** (the paper's "rarefied effective-mode retention", its Table A6, is a ratio of these
+  between two checkpoints; its formula is not published, the form here is our reading, [derived]):
+  :func:`mode_labels`, :func:`effective_mode_count` (the Hill number of order 1 of the correct samples' modes) and
+  :func:`rarefied_effective_modes` (its mean over random subsets of a fixed number of correct samples).
 
 All classes are token-weighted where it applies and exact under DDP: sums use ``sum`` reductions, per-question
 and per-token quantities ``cat`` (so every rank computes the same statistic over the whole data); ``compute``
@@ -39,9 +43,12 @@ __all__ = [
     "StratifiedEntropy",
     "bootstrap_ci",
     "cluster_modes",
+    "effective_mode_count",
     "majority_vote_correct",
+    "mode_labels",
     "mode_retention",
     "paired_ratio_summary",
+    "rarefied_effective_modes",
     "sign_test_pvalue",
     "tail_mass_share",
 ]
@@ -163,6 +170,78 @@ def cluster_modes(solutions: Sequence[str], similarity: float = 1.0) -> list[str
     return [text for text, _ in modes]
 
 
+def mode_labels(solutions: Sequence[str], similarity: float = 1.0) -> list[int]:
+    """Each solution's mode: its index in :func:`cluster_modes` ``(solutions, similarity)``.
+
+    Same normalisation and rule as :func:`cluster_modes`: a solution belongs to the first mode whose representative
+    its whitespace-normalised text matches (equal text at ``similarity = 1``, else character-3-gram Jaccard
+    ``≥ similarity``). That is the mode the clustering put it in: modes are only appended, so when a text was
+    visited the modes before it were already there, and a representative matches itself.
+
+    Returns:
+        one label in ``0 .. len(cluster_modes(solutions)) - 1`` per solution, in the input's order.
+    """
+    modes = cluster_modes(solutions, similarity)  # validates the similarity
+    if similarity == 1:
+        index = {text: j for j, text in enumerate(modes)}
+        return [index[" ".join(s.split())] for s in solutions]
+    grams = [_shingles(text) for text in modes]
+    labels: dict[str, int] = {}
+    out = []
+    for solution in solutions:
+        text = " ".join(solution.split())
+        if text not in labels:
+            own = _shingles(text)
+            labels[text] = next(j for j, rep in enumerate(grams) if _jaccard(own, rep) >= similarity)
+        out.append(labels[text])
+    return out
+
+
+def effective_mode_count(labels: Sequence[int]) -> float:
+    """The Hill number of order 1 (exponential Shannon entropy) of the labels' frequencies.
+
+    ``D = exp(−Σ_j p_j log p_j)`` with ``p_j`` the share of labels equal to ``j``: the number of equally frequent
+    modes with the same entropy (``[0, 0, 1, 1]`` → 2, ``[0, 0, 0, 1]`` → 1.75...; one mode → 1). ``nan`` for no
+    labels.
+    """
+    n = len(labels)
+    if n == 0:
+        return math.nan
+    counts: dict[int, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    return math.exp(-sum(c / n * math.log(c / n) for c in counts.values()))
+
+
+def rarefied_effective_modes(labels: Sequence[int], size: int, draws: int, generator: torch.Generator) -> float:
+    """Mean :func:`effective_mode_count` of ``size`` labels drawn without replacement, over ``draws`` draws.
+
+    ``D_size = (1/draws) Σ_d D(labels[S_d])``, ``S_d`` a uniformly random ``size``-subset of the positions (the
+    Monte-Carlo estimate of ``E_S D(labels[S])`` over all such subsets). The effective number of modes grows with
+    the number of correct samples it is computed from; rarefying every question to the same ``size`` makes counts
+    comparable between checkpoints whose accuracy differs. [derived]: the seed paper's rarefaction is not published.
+
+    Args:
+        labels: mode labels of one question's correct samples (:func:`mode_labels`).
+        size: correct samples per draw.
+        draws: number of draws.
+        generator: draws the subsets (seed it to freeze them: the same labels and seed give the same value).
+
+    Returns:
+        the mean; ``nan`` with fewer than ``size`` labels.
+    """
+    if size < 1 or draws < 1:
+        raise ValueError(f"rarefied_effective_modes: need size >= 1 and draws >= 1, got {size}, {draws}")
+    n = len(labels)
+    if n < size:
+        return math.nan
+    total = 0.0
+    for _ in range(draws):
+        chosen = torch.randperm(n, generator=generator)[:size].tolist()
+        total += effective_mode_count([labels[i] for i in chosen])
+    return total / draws
+
+
 def mode_retention(baseline: Sequence[str], current: Sequence[str], similarity: float = 1.0) -> int:
     """How many baseline modes are still present: a baseline mode is retained when some current mode matches it."""
     if similarity == 1:
@@ -245,7 +324,8 @@ class PairedEntropyRatio(Metric):
     updates and ranks (the same prompt → the same id, e.g. a hash of its tokens): completions of one question
     seen in several updates pool. A question is *paired* when it has at least ``min_per_stratum`` failed and
     ``min_per_stratum`` successful responses (each with at least one token); its ratio is the ratio of its two
-    token means. ``compute()`` returns :func:`paired_ratio_summary`'s dict (tensors).
+    token means. ``compute()`` returns :func:`paired_ratio_summary`'s dict (tensors); :meth:`per_question` the
+    paired questions' ids, log ratios and response counts (for pooling runs afterwards).
 
     Args:
         num_resamples: resamples of the bootstrap over paired questions.
@@ -277,8 +357,8 @@ class PairedEntropyRatio(Metric):
         self.entropy_sum.append((entropy.double() * mask).sum(-1))
         self.token_count.append(mask.sum(-1))
 
-    def log_ratios(self) -> Tensor:
-        """``log ρ_q`` of the paired questions, in the order of their (sorted) ids."""
+    def _paired_rows(self) -> dict[str, Tensor]:
+        """Per paired question, from the states as they are (this rank's, or every rank's inside a sync)."""
         question, correct = _cat(self.question, torch.long), _cat(self.correct, torch.long)
         entropy_sum, token_count = _cat(self.entropy_sum), _cat(self.token_count)
         ids, inverse = torch.unique(question, return_inverse=True)
@@ -290,7 +370,25 @@ class PairedEntropyRatio(Metric):
         paired = (responses >= self.min_per_stratum).all(-1)
         means = sums[paired] / counts[paired]
         means = means.clamp_min(1e-12)  # a zero-entropy stratum: a finite, very large ratio instead of inf
-        return (means[:, 0].log() - means[:, 1].log()).cpu()
+        return {"question": ids[paired].cpu(), "log_ratio": (means[:, 0].log() - means[:, 1].log()).cpu(),
+                "failed": responses[paired, 0].long().cpu(), "successful": responses[paired, 1].long().cpu()}
+
+    def log_ratios(self) -> Tensor:
+        """``log ρ_q`` of the paired questions, in the order of their (sorted) ids (this rank's states outside
+        ``compute``; :meth:`per_question` gathers every rank's)."""
+        return self._paired_rows()["log_ratio"]
+
+    def per_question(self) -> dict[str, Tensor]:
+        """The paired questions over every rank's updates, sorted by id: ``question`` (id), ``log_ratio``
+        (``log ρ_q``; their mean is ``log`` of :meth:`compute`'s geometric mean), ``failed`` and ``successful``
+        (responses with at least one token in each outcome).
+
+        A collective under DDP, like :meth:`compute`: the ``cat`` states are gathered for the call and restored
+        after it (torchmetrics un-syncs after ``compute`` too, so the states never hold other ranks' rows outside it).
+        """
+        with self.sync_context(dist_sync_fn=self.dist_sync_fn, should_sync=self._to_sync,
+                               should_unsync=self._should_unsync):
+            return self._paired_rows()
 
     def compute(self) -> dict[str, Tensor]:
         summary = paired_ratio_summary(self.log_ratios(), self.num_resamples, self.confidence, self.seed)

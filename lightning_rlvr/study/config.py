@@ -56,6 +56,8 @@ class ReportSettings:
         baseline: the method others are compared with (ratios, finding (c)).
         late_window: rollout steps at the end of a run whose mean token entropy is its "final entropy".
         entropy_keepers: methods expected to keep entropy above the baseline late in training (finding (c)).
+        polarity_ablation: methods that train on one advantage sign only (``PolarityFilter``), reported beside
+            finding (f) (default: ``positive_only`` and ``negative_only`` where the study runs them).
         block: rollout steps per block in finding (b)'s checkpoint-scale comparison (predicted and observed
             changes summed over each block: the source paper compares adjacent checkpoints, not single updates).
         method_configs: a folder holding each method's own fit config as ``<method>.yaml`` (``configs``): the
@@ -70,6 +72,7 @@ class ReportSettings:
     late_window: int = 100
     block: int = 100
     entropy_keepers: tuple[str, ...] = ("clip_cov", "kl_cov")
+    polarity_ablation: tuple[str, ...] = ("positive_only", "negative_only")
     method_configs: str | None = None
     config_of: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -325,10 +328,13 @@ def load_study(source: str | Path | dict[str, Any]) -> StudyConfig:
         block=_positive_int(report_raw, "block", ReportSettings.block, f"{where}: report"),
         entropy_keepers=tuple(report_raw.get("entropy_keepers",
                                              [m for m in ReportSettings.entropy_keepers if m in methods])),
+        polarity_ablation=tuple(report_raw.get("polarity_ablation",
+                                               [m for m in ReportSettings.polarity_ablation if m in methods])),
         method_configs=None if report_raw.get("method_configs") is None else str(report_raw["method_configs"]),
         config_of={str(k): str(v) for k, v in (report_raw.get("config_of") or {}).items() if k in methods},
     )
-    for key, names in (("baseline", [report.baseline]), ("entropy_keepers", report.entropy_keepers)):
+    for key, names in (("baseline", [report.baseline]), ("entropy_keepers", report.entropy_keepers),
+                       ("polarity_ablation", report.polarity_ablation)):
         missing = [n for n in names if n not in methods]
         if missing:
             raise StudyConfigError(f"{where}: report.{key} names {missing}, which are not methods of the study "

@@ -39,18 +39,24 @@ import torch
 from matplotlib.figure import Figure
 
 from lightning_rlvr.metrics.entropy_change import average_ranks, pearson, sign_agreement, spearman
+from lightning_rlvr.metrics.rcea import bootstrap_ci
 from lightning_rlvr.metrics.tradeoff import exponential_tradeoff_fit
 from lightning_rlvr.plots import trailing_mean
 from lightning_rlvr.study.config import StudyConfig, callback_arguments, config_overrides
 from lightning_rlvr.study.runner import finished_runs
 
-__all__ = ["MethodSummary", "RunSummary", "build_report", "findings", "spearman_permutation", "summarise_run",
-           "tradeoff_table"]
+__all__ = ["MethodSummary", "RunSummary", "build_report", "findings", "polarity_change", "pooled_paired_ratio",
+           "spearman_permutation", "summarise_run", "tradeoff_table"]
 
 _KEYS = ("val/accuracy", "val/pass_at_k", "val/maj_at_k", "entropy/token_mean", "rcea/retention",
          "rcea/paired_ratio", "rcea/paired_ci_low", "rcea/paired_ci_high", "probe/cov_pred", "probe/flow_pred",
          "probe/observed", "stage/transition_step", "opefo/lambda", "rcea/endpoint_paired_ratio",
-         "rcea/endpoint_ci_low", "rcea/endpoint_ci_high", "rcea/endpoint_coverage")
+         "rcea/endpoint_ci_low", "rcea/endpoint_ci_high", "rcea/endpoint_coverage", "rcea/effective_mode_ratio",
+         "rcea/effective_mode_ratio_ci_low", "rcea/effective_mode_ratio_ci_high", "rcea/effective_mode_questions",
+         "analysis/delta_entropy/positive", "analysis/delta_entropy/negative",
+         "analysis/delta_entropy/positive_contribution", "analysis/delta_entropy/negative_contribution")
+#: bootstrap resamples of the pooled paired-ratio interval (the seed paper's Table A6 uses 10,000).
+POOLED_RESAMPLES = 10_000
 #: "far above" in finding (c): the keeper's final entropy is at least this multiple of the baseline's in every seed.
 FAR_ABOVE = 1.5
 #: finding (d) leaves out, as a second estimate, methods whose held-out accuracy is below this share of the baseline's.
@@ -122,18 +128,70 @@ class RunSummary:
     paired_estimator: str = "rolling"
     rolling_paired_ratio: float = math.nan
     endpoint_coverage: float = math.nan
+    effective_mode_ratio: float = math.nan
+    polarity_change: dict[str, float] = dataclasses.field(default_factory=dict)
     entropy: Series = dataclasses.field(repr=False, default_factory=list)
     val_accuracy: Series = dataclasses.field(repr=False, default_factory=list)
     probe: list[tuple[float, float, float]] = dataclasses.field(repr=False, default_factory=list)
     probe_blocks: list[tuple[float, float, float]] = dataclasses.field(repr=False, default_factory=list)
     tradeoff_points: list[tuple[float, float]] = dataclasses.field(repr=False, default_factory=list)
+    #: ``(probe question, log ratio)`` of every paired question at the last endpoint probe (its artifact).
+    endpoint_log_ratios: list[tuple[int, float]] = dataclasses.field(repr=False, default_factory=list)
 
     def numbers(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
 
 
+def polarity_change(history: dict[str, Series], transition_step: float) -> dict[str, float]:
+    """Observed per-update entropy change by response outcome, in the rising stage and in the plateau.
+
+    ``EntropyPerformanceAnalysis`` logs, per measured step, the mean ``ΔH`` per token of successful
+    (``analysis/delta_entropy/positive``) and of failed responses (``.../negative``), and each polarity's
+    *contribution* to the batch mean (``Σ_polarity ΔH / #all tokens``, which grows with the polarity's share of the
+    tokens). Returns, for ``rising`` (steps before ``transition_step``; the whole run when no plateau was detected)
+    and ``plateau`` (from it on), the mean over measured steps of each: ``<stage>/failed``, ``<stage>/successful``,
+    ``<stage>/failed_contribution``, ``<stage>/successful_contribution`` and ``<stage>/steps``.
+    """
+    split = transition_step if math.isfinite(transition_step) else math.inf
+    keys = {"failed": "negative", "successful": "positive", "failed_contribution": "negative_contribution",
+            "successful_contribution": "positive_contribution"}
+    out: dict[str, float] = {}
+    for stage, inside in (("rising", lambda step: step < split), ("plateau", lambda step: step >= split)):
+        steps = 0
+        for name, key in keys.items():
+            values = [v for step, v in history.get(f"analysis/delta_entropy/{key}", []) if inside(step)
+                      and math.isfinite(v)]
+            out[f"{stage}/{name}"] = statistics.fmean(values) if values else math.nan
+            steps = max(steps, len(values))
+        out[f"{stage}/steps"] = float(steps)
+    return out
+
+
+def pooled_paired_ratio(log_ratios: Sequence[tuple[int, float]], num_resamples: int = POOLED_RESAMPLES,
+                        confidence: float = 0.95, seed: int = 0) -> dict[str, float]:
+    """The paired failed/successful ratio pooled over runs, with a bootstrap interval over questions.
+
+    ``log_ratios`` holds ``(question, log ρ)`` rows of several runs (seeds) of one method on the same probe set, so
+    a question appears once per run that paired it. The estimate is the geometric mean over all rows,
+    ``exp(Σ log ρ / #rows)``; the interval resamples *questions* with replacement, each bringing all its rows (a
+    cluster bootstrap: one question's ratios in different seeds are not independent), i.e. the percentile
+    interval of ``exp(Σ_q S_q / Σ_q n_q)`` with ``S_q`` and ``n_q`` a resampled question's sum and count.
+    """
+    by_question: dict[int, list[float]] = {}
+    for question, value in log_ratios:
+        by_question.setdefault(int(question), []).append(float(value))
+    if not by_question:
+        return {"ratio": math.nan, "ci_low": math.nan, "ci_high": math.nan, "questions": 0.0, "rows": 0.0}
+    counts = torch.tensor([len(v) for v in by_question.values()], dtype=torch.float64)
+    means = torch.tensor([math.fsum(v) / len(v) for v in by_question.values()], dtype=torch.float64)
+    low, high = bootstrap_ci(means, num_resamples=num_resamples, confidence=confidence, seed=seed, weights=counts)
+    total = math.fsum(v for values in by_question.values() for v in values)
+    return {"ratio": math.exp(total / counts.sum().item()), "ci_low": math.exp(low), "ci_high": math.exp(high),
+            "questions": float(len(by_question)), "rows": counts.sum().item()}
+
+
 def summarise_run(method: str, seed: int, run_id: str, history: dict[str, Series], late_window: int,
-                  block: int = 100) -> RunSummary:
+                  block: int = 100, endpoint_log_ratios: Sequence[tuple[int, float]] = ()) -> RunSummary:
     """Reduce one run's metric histories (``{key: [(step, value), ...]}`` sorted by step) to a :class:`RunSummary`.
 
     ``probe`` holds ``(−cov, flow, observed)`` of every probed step, ``probe_blocks`` the same three summed over
@@ -173,6 +231,9 @@ def summarise_run(method: str, seed: int, run_id: str, history: dict[str, Series
         paired_estimator="endpoint" if endpoint else "rolling",
         rolling_paired_ratio=_last(history.get("rcea/paired_ratio", [])),
         endpoint_coverage=_last(history.get("rcea/endpoint_coverage", [])),
+        effective_mode_ratio=_last(history.get("rcea/effective_mode_ratio", [])),
+        polarity_change=polarity_change(history, _last(history.get("stage/transition_step", []))),
+        endpoint_log_ratios=list(endpoint_log_ratios),
         windows_above_one=sum(low.get(s, math.nan) > 1 for s in windows),
         windows_below_one=sum(high.get(s, math.nan) < 1 for s in windows), windows=len(windows),
         sign_agreement_flow=_sign_agreement([f for _, f, _ in probe], observed),
@@ -192,23 +253,27 @@ def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(finite), statistics.stdev(finite) if len(finite) > 1 else 0.0
 
 
-_AVERAGED = ("accuracy", "pass_at_k", "maj_at_k", "retention", "final_entropy", "paired_ratio", "paired_ci_low",
-             "paired_ci_high", "sign_agreement_flow", "sign_agreement_cov")
+_AVERAGED = ("accuracy", "pass_at_k", "maj_at_k", "retention", "effective_mode_ratio", "final_entropy",
+             "paired_ratio", "paired_ci_low", "paired_ci_high", "sign_agreement_flow", "sign_agreement_cov")
 
 
 @dataclasses.dataclass
 class MethodSummary:
-    """A method over its seeds: ``mean[key]`` and ``sd[key]`` for each averaged number, and the runs."""
+    """A method over its seeds: ``mean[key]`` and ``sd[key]`` for each averaged number, the runs, and the
+    endpoint paired ratio pooled over them (:func:`pooled_paired_ratio`; empty when no run saved its rows)."""
 
     method: str
     runs: list[RunSummary]
     mean: dict[str, float]
     sd: dict[str, float]
+    pooled: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, method: str, runs: list[RunSummary]) -> MethodSummary:
         stats = {key: _mean_sd([getattr(r, key) for r in runs]) for key in _AVERAGED}
-        return cls(method, runs, {k: m for k, (m, _) in stats.items()}, {k: s for k, (_, s) in stats.items()})
+        rows = [row for r in runs for row in r.endpoint_log_ratios]
+        return cls(method, runs, {k: m for k, (m, _) in stats.items()}, {k: s for k, (_, s) in stats.items()},
+                   pooled_paired_ratio(rows) if rows else {})
 
     @property
     def seeds_ci_above_one(self) -> int:
@@ -231,6 +296,28 @@ def _history(client, run_id: str) -> dict[str, Series]:
     return history
 
 
+def _endpoint_rows(client, run_id: str, history: dict[str, Series]) -> list[tuple[int, float]]:
+    """``(question, log ratio)`` rows of the run's last endpoint probe, from its artifact (none: empty)."""
+    import tempfile
+
+    from mlflow.exceptions import MlflowException
+
+    from lightning_rlvr.loggers import endpoint_ratios_artifact
+
+    probes = history.get("rcea/endpoint_paired_ratio", [])
+    if not probes:
+        return []
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            path = client.download_artifacts(run_id, endpoint_ratios_artifact(int(probes[-1][0])), folder)
+        except (OSError, MlflowException):  # a run logged before the artifact existed: its own CI remains
+            return []
+        table = json.loads(Path(path).read_text(encoding="utf-8"))
+    columns = table["columns"]
+    question, value = columns.index("question"), columns.index("log_ratio")
+    return [(int(row[question]), float(row[value])) for row in table["data"]]
+
+
 def read_study(study: StudyConfig) -> dict[str, MethodSummary]:
     """Every finished run of the study (current config hashes), summarised, grouped by method in study order."""
     from mlflow.tracking import MlflowClient
@@ -239,10 +326,14 @@ def read_study(study: StudyConfig) -> dict[str, MethodSummary]:
     runs = finished_runs(study)
     summaries: dict[str, MethodSummary] = {}
     for method in study.methods:
-        found = [summarise_run(method, seed, runs[(method, seed)].info.run_id,
-                               _history(client, runs[(method, seed)].info.run_id), study.report.late_window,
-                               study.report.block)
-                 for seed in study.seeds if (method, seed) in runs]
+        found = []
+        for seed in study.seeds:
+            if (method, seed) not in runs:
+                continue
+            run_id = runs[(method, seed)].info.run_id
+            history = _history(client, run_id)
+            found.append(summarise_run(method, seed, run_id, history, study.report.late_window, study.report.block,
+                                       _endpoint_rows(client, run_id, history)))
         if found:
             summaries[method] = MethodSummary.of(method, found)
     return summaries
@@ -314,10 +405,16 @@ def findings(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str,
         estimator = ("endpoint estimator at the last probe" if runs[0].paired_estimator == "endpoint"
                      else "rolling, last window")
         result["a"] = {"verdict": verdict, "baseline_runs_above": above, "baseline_runs": len(runs),
+                       "pooled": baseline.pooled,
                        "windows": all_windows, "windows_above": all_above, "windows_below": all_below,
                        "text": f"{study.report.baseline}, paired failed/successful entropy ratio ("
                                f"{estimator}; 95% bootstrap CI over questions): {per_seed}. CI above 1 in {above} of {len(runs)} "
-                               f"runs. Over every window of every run of every method: {all_above} of "
+                               f"runs." + (f" Pooled over the seeds: {_fmt(baseline.pooled['ratio'])} "
+                                           f"[{_fmt(baseline.pooled['ci_low'])}, {_fmt(baseline.pooled['ci_high'])}] "
+                                           f"over {int(baseline.pooled['questions'])} questions "
+                                           f"({int(baseline.pooled['rows'])} question-seed pairs)."
+                                           if baseline.pooled else "")
+                               + f" Over every window of every run of every method: {all_above} of "
                                f"{all_windows} windows have the CI above 1, {all_below} below 1."}
 
     # (b)
@@ -432,7 +529,46 @@ def findings(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str,
                                f"R² = {_fmt(base_fit['r2'], 2)} over {int(base_fit['n'])} points; predicted accuracy "
                                f"at H = 0: {_fmt(base_fit['ceiling'])}. Rule: a > 0 and R² ≥ {FIT_R2}. Every "
                                f"method's fit is in the table below."}
+    result["f"] = _polarity_finding(study, methods)
     return result
+
+
+def _polarity_finding(study: StudyConfig, methods: dict[str, MethodSummary]) -> dict[str, Any]:
+    """(f): per token, does the entropy of failed responses fall more than that of successful ones while rising?"""
+    baseline = methods.get(study.report.baseline)
+    runs = [r for r in baseline.runs if r.polarity_change.get("rising/steps", 0) > 0] if baseline else []
+    if not runs:
+        return {"verdict": "not measured",
+                "text": "No run logged the per-polarity entropy change (EntropyPerformanceAnalysis)."}
+    change = {r.seed: r.polarity_change for r in runs}
+    failed_more = sum(c["rising/failed"] < c["rising/successful"] for c in change.values())
+    verdict = "reproduced" if failed_more == len(runs) else "partly" if failed_more else "not reproduced"
+
+    def stage_text(stage: str) -> str:
+        parts = [f"seed {seed}: failed {_fmt(c[f'{stage}/failed'], 4)}, successful {_fmt(c[f'{stage}/successful'], 4)} "
+                 f"per token (contributions {_fmt(c[f'{stage}/failed_contribution'], 4)}, "
+                 f"{_fmt(c[f'{stage}/successful_contribution'], 4)}; {int(c[f'{stage}/steps'])} measured steps)"
+                 for seed, c in change.items() if c[f"{stage}/steps"] > 0]
+        return "; ".join(parts) if parts else "no run reached it"
+
+    ablation = []
+    base_accuracy, base_entropy = baseline.mean["accuracy"], baseline.mean["final_entropy"]
+    for method in study.report.polarity_ablation:
+        if method in methods:
+            m = methods[method]
+            ablation.append(f"{method} held-out {_fmt(m.mean['accuracy'])} ± {_fmt(m.sd['accuracy'])} "
+                            f"(baseline {_fmt(base_accuracy)}), final entropy {_fmt(m.mean['final_entropy'])} "
+                            f"({_fmt(m.mean['final_entropy'] / base_entropy, 2)}× the baseline's)")
+    return {"verdict": verdict, "per_seed": change, "failed_falls_more": failed_more, "runs": len(runs),
+            "text": f"{study.report.baseline}, mean observed entropy change per token of each outcome over the "
+                    f"measured steps, rising stage (before the detected transition; the whole run where none was "
+                    f"detected): {stage_text('rising')}. Plateau: {stage_text('plateau')}. The contributions "
+                    f"(Σ ΔH of a polarity over all tokens) grow with the polarity's share of the tokens, so only the "
+                    f"per-token change is compared. Rule: reproduced when the failed responses' per-token entropy "
+                    f"falls more than the successful ones' in the rising stage of every seed ({failed_more} of "
+                    f"{len(runs)})."
+                    + (" The authors' ablation, training on one advantage sign only (PolarityFilter): "
+                       + "; ".join(ablation) + "." if ablation else "")}
 
 
 def _spearman(x: Sequence[float], y: Sequence[float]) -> float:
@@ -564,8 +700,8 @@ def markdown_table(study: StudyConfig, methods: dict[str, MethodSummary]) -> str
     """The per-method table: mean ± sd over seeds (n = seeds that finished), and, with ``report.method_configs``,
     every setting in which the study's run differs from the method's own config."""
     overrides = method_overrides(study)
-    header = ("| method | n | held-out acc | pass@k | maj@k | answer-coverage retention | final entropy | vs baseline "
-              "| paired ratio [CI] | CI > 1 | flow sign agr. | stage transition |")
+    header = ("| method | n | held-out acc | pass@k | maj@k | answer-coverage retention | effective-mode ratio "
+              "| final entropy | vs baseline | paired ratio [CI] | CI > 1 | flow sign agr. | stage transition |")
     if overrides:
         header += f" differs from {study.report.method_configs}/<method>.yaml |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -574,12 +710,22 @@ def markdown_table(study: StudyConfig, methods: dict[str, MethodSummary]) -> str
         vs = summary.mean["final_entropy"] / base.mean["final_entropy"] if base else math.nan
         lines.append(
             f"| {summary.method} | {len(summary.runs)} | {_cell(summary, 'accuracy')} | {_cell(summary, 'pass_at_k')} "
-            f"| {_cell(summary, 'maj_at_k')} | {_cell(summary, 'retention')} | {_cell(summary, 'final_entropy')} "
-            f"| {_fmt(vs, 2)}× | {_fmt(summary.mean['paired_ratio'], 2)} [{_fmt(summary.mean['paired_ci_low'], 2)}, "
-            f"{_fmt(summary.mean['paired_ci_high'], 2)}] | {summary.seeds_ci_above_one}/{len(summary.runs)} "
+            f"| {_cell(summary, 'maj_at_k')} | {_cell(summary, 'retention')} "
+            f"| {_cell(summary, 'effective_mode_ratio')} | {_cell(summary, 'final_entropy')} "
+            f"| {_fmt(vs, 2)}× | {_paired_cell(summary)} | {summary.seeds_ci_above_one}/{len(summary.runs)} "
             f"| {_fmt(summary.mean['sign_agreement_flow'], 2)} | {_transitions(summary)} |"
             + (f" {_override_cell(overrides.get(summary.method))} |" if overrides else ""))
     return "\n".join(lines)
+
+
+def _paired_cell(summary: MethodSummary) -> str:
+    """The pooled ratio with its question-bootstrap interval; without saved rows, the mean over seeds of each run's
+    ratio and bounds, marked ``*`` (a summary of intervals, not an interval)."""
+    if summary.pooled:
+        p = summary.pooled
+        return f"{_fmt(p['ratio'], 2)} [{_fmt(p['ci_low'], 2)}, {_fmt(p['ci_high'], 2)}]"
+    m = summary.mean
+    return f"{_fmt(m['paired_ratio'], 2)} [{_fmt(m['paired_ci_low'], 2)}, {_fmt(m['paired_ci_high'], 2)}]*"
 
 
 def _override_cell(overrides: list[str] | None) -> str:
@@ -619,7 +765,8 @@ def build_report(study: StudyConfig, log_to_mlflow: bool = True) -> dict[str, An
               "b": "The covariance / flow approximation predicts the sign of the entropy change",
               "c": "Clip-Cov / KL-Cov keep entropy far above the baseline late in training",
               "d": "Entropy alone does not order the methods by accuracy",
-              "e": "Performance is traded from entropy as R = −a·exp(H) + b"}
+              "e": "Performance is traded from entropy as R = −a·exp(H) + b",
+              "f": "In the rising stage, the entropy reduction is on the negative (failed) samples"}
     estimators = {r.paired_estimator for s in methods.values() for r in s.runs}
     if estimators == {"endpoint"}:
         paired_text = ("the seed paper's endpoint estimator at the last probe (fresh samples of the probe questions, "
@@ -632,8 +779,14 @@ def build_report(study: StudyConfig, log_to_mlflow: bool = True) -> dict[str, An
              (f"{len(methods)} methods × seeds {list(study.seeds)}, from `{study.source}`; MLflow experiment "
               f"`{study.experiment}` at `{study.tracking_uri}`. Mean ± sd over seeds; held-out numbers from the "
               f"last evaluation; final entropy = mean token entropy of the last {study.report.late_window} rollout "
-              f"steps; paired ratio = {paired_text}, failed/successful token entropy (mean over seeds of the ratio "
-              f"and of its 95% bootstrap CI bounds), \"CI > 1\" = seeds whose CI lies above 1; stage transition = "
+              f"steps; answer-coverage retention = share of the starting policy's correct answers per probe question "
+              f"still produced (at most 1); effective-mode ratio = the seed paper's rarefied effective-mode "
+              f"retention as we read it (`rcea/effective_mode_ratio`: exp-entropy counts of correct-solution modes "
+              f"at a fixed number of correct samples, end over start; can exceed 1); paired ratio = {paired_text}, "
+              f"failed/successful token entropy: the geometric mean over the paired questions of all seeds with a "
+              f"95% bootstrap interval over questions ({POOLED_RESAMPLES} resamples, each question bringing its "
+              f"ratios of every seed), or, marked *, the mean over seeds of each run's ratio and CI bounds where no "
+              f"per-question rows were saved; \"CI > 1\" = seeds whose own CI lies above 1; stage transition = "
               f"the step per seed (– = none)."), ""]
     if missing:
         lines += [f"**Not finished ({len(missing)}):** {', '.join(missing)}", ""]

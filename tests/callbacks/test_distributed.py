@@ -46,7 +46,7 @@ def stage_outputs(rows):
     """PositionShaping with an entropy quantile, rank buckets of a per-row value, position-bucketed entropy."""
     mask, adv, logp, old, entropy = case()
     step = step_context([0.0] * len(rows), mask[rows], advantages=adv[rows], old_entropy=entropy[rows])
-    shaped = PositionShaping(active_steps=None, entropy_quantile=0.6).shape_advantages(None, None, step)
+    shaped = PositionShaping(active_steps=None, active_fraction=None, entropy_quantile=0.6).shape_advantages(None, None, step)
     buckets = rank_buckets(adv[rows], 3)
     metric = BucketedMean(4)
     metric.update(entropy[rows], position_buckets(mask[rows], 4), mask[rows])

@@ -157,7 +157,7 @@ def test_the_endpoint_ratio_is_the_seeds_estimator_on_its_own_probe_samples(tiny
     script = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
               for text in ("1", "2", "11", "12", "111")]
     rcea = RCEADiagnostics(every_n_steps=2, retention_every_n_steps=2, probe_size=6, probe_samples=2,
-                           endpoint_samples=12, endpoint_min_per_stratum=5, plots=False)
+                           rarefaction_size=2, endpoint_samples=12, endpoint_min_per_stratum=5, plots=False)
     trainer(4, callbacks=[rcea], logger=memory_logger).fit(
         module, reverse_data(engine=ScriptedEngine(script, pad_id=tokenizer.pad_token_id),
                              verifier=CallableVerifier(parity_verdict, isolation="inline")))
@@ -180,3 +180,157 @@ def test_the_endpoint_ratio_is_the_seeds_estimator_on_its_own_probe_samples(tiny
         assert h["rcea/endpoint_ci_low"][step] <= h["rcea/endpoint_paired_ratio"][step] <= h["rcea/endpoint_ci_high"][step]
     with pytest.raises(ValueError, match="endpoint_samples needs retention_every_n_steps"):
         RCEADiagnostics(retention_every_n_steps=0, endpoint_samples=8)
+
+
+# -- the rarefied effective-mode ratio ----------------------------------------------------------------------
+def scripted_probe(monkeypatch, baseline, current):
+    """Replace the probe's samples: per probe question (its index in the held-out list), ``baseline`` at the first
+    call (the baseline probe), ``current`` afterwards; each is a list of ``(text, correct)``."""
+    from lightning_rlvr.data import RolloutDataModule
+
+    calls = []
+
+    def sample_completions(self, problems, n):
+        held = self.source.held_out_problems()
+        script = baseline if not calls else current
+        calls.append(len(problems))
+        out = [script[held.index(p)] for p in problems]
+        assert all(len(rows) == n for rows in out)
+        return out
+
+    monkeypatch.setattr(RolloutDataModule, "sample_completions", sample_completions)
+    return calls
+
+
+def samples(correct, n=5):
+    return [(text, True) for text in correct] + [("wrong", False)] * (n - len(correct))
+
+
+BASELINE = [samples(["1", "1", "1", "1"]),  # one mode: D = 1 in every draw of 3
+            samples(["5", "6", "7", "8"]),  # all distinct: D = 3 in every draw of 3
+            samples(["1", "2"]),            # fewer than 3 correct: left out
+            samples(["1", "2", "3"]),       # exactly 3: D = 3
+            samples([])]
+CURRENT = [samples(["1", "2", "3"]),        # D = 3
+           samples(["5", "5", "6"]),        # D = exp(-(2/3 log 2/3 + 1/3 log 1/3))
+           samples(["1", "2", "3", "4", "5"]),
+           samples(["1"]),                  # fewer than 3 correct now: left out
+           samples(["9", "9", "9"])]        # none at the baseline: left out
+
+
+def test_the_effective_mode_ratio_by_hand_can_exceed_one(tiny_model_dir, memory_logger, monkeypatch):
+    calls = scripted_probe(monkeypatch, BASELINE, CURRENT)
+    rcea = RCEADiagnostics(every_n_steps=2, retention_every_n_steps=2, probe_size=5, probe_samples=5,
+                           rarefaction_size=3, rarefaction_draws=7, num_resamples=1000, plots=False)
+    trainer(2, callbacks=[rcea], logger=memory_logger).fit(RLVRModule(model=tiny_model_dir, learning_rate=1e-3),
+                                                           reverse_data())
+    assert calls == [5, 5]  # the baseline and the probe at step 1
+    h = memory_logger.history
+    two_to_one = math.exp(-(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)))  # 1.8899
+    # Questions 0 and 1 have >= 3 correct samples at both probes: (3 + 1.89) / (1 + 3) = 1.22 > 1.
+    assert h["rcea/effective_mode_questions"][1] == 2
+    assert h["rcea/effective_mode_ratio"][1] == pytest.approx((3 + two_to_one) / (1 + 3))
+    # Bootstrap over two questions: a resample is both q0 (ratio 3), both q1 (1.89 / 3) or one of each (the
+    # estimate), each pure case with probability 1/4, so the 2.5 % and 97.5 % quantiles are the pure cases.
+    assert h["rcea/effective_mode_ratio_ci_low"][1] == pytest.approx(two_to_one / 3)
+    assert h["rcea/effective_mode_ratio_ci_high"][1] == pytest.approx(3.0)
+    # Answer-coverage retention of the same samples is at most 1: baseline modes 1 + 4 + 2 + 3 + 0 = 10, of which
+    # still found 1 ("1") + 2 ("5", "6") + 2 ("1", "2") + 1 ("1") = 6.
+    assert h["rcea/retention"][1] == pytest.approx(0.6)
+    assert rcea.baseline_effective_modes[:2] == pytest.approx([1.0, 3.0])
+    assert math.isnan(rcea.baseline_effective_modes[2]) and math.isnan(rcea.baseline_effective_modes[4])
+
+
+def test_the_rarefaction_draws_are_frozen(tiny_model_dir, memory_logger, monkeypatch):
+    """Questions whose rarefied count depends on the draws: two runs log the same values, and the baseline's state
+    survives a checkpoint (an older one without it leaves the questions out instead of failing)."""
+    baseline = [samples(["1", "1", "2", "3", "4"]), samples(["1", "2", "2", "3", "3"])]
+    current = [samples(["1", "2", "2", "3"]), samples(["7", "7", "8", "9", "9"])]
+    logged = []
+    for _ in range(2):
+        scripted_probe(monkeypatch, baseline, current)
+        logger = type(memory_logger)()
+        rcea = RCEADiagnostics(every_n_steps=2, retention_every_n_steps=2, probe_size=2, probe_samples=5,
+                               rarefaction_size=3, plots=False)
+        trainer(2, callbacks=[rcea], logger=logger).fit(RLVRModule(model=tiny_model_dir, learning_rate=1e-3),
+                                                        reverse_data())
+        logged.append(logger.history["rcea/effective_mode_ratio"][1])
+    assert logged[0] == logged[1] and math.isfinite(logged[0])
+    restored = RCEADiagnostics()
+    restored.load_state_dict(rcea.state_dict())
+    assert restored.baseline_effective_modes == rcea.baseline_effective_modes
+    older = {k: v for k, v in rcea.state_dict().items() if k != "baseline_effective_modes"}
+    restored.load_state_dict(older)
+    assert restored.baseline_effective_modes is None
+
+
+def test_rarefaction_arguments_are_checked():
+    for kwargs, match in (({"rarefaction_size": 0}, "rarefaction_size >= 1"),
+                          ({"rarefaction_draws": 0}, "rarefaction_draws >= 1"),
+                          ({"rarefaction_size": 9, "probe_samples": 8}, "must be <= probe_samples")):
+        with pytest.raises(ValueError, match=match):
+            RCEADiagnostics(**kwargs)
+
+
+# -- the per-question endpoint artifact ----------------------------------------------------------------------
+def test_the_endpoint_artifact_reproduces_the_logged_ratio(tiny_model_dir, tmp_path, monkeypatch):
+    """Rank 0 logs each probe's paired questions to MLflow: their mean log ratio is the logged geometric mean,
+    their count the logged count, and each row's ``question`` is the probe index whose own samples give it."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from lightning_rlvr.data import RolloutDataModule
+    from lightning_rlvr.loggers import endpoint_ratios_artifact
+    from lightning_rlvr.verifiers import CallableVerifier
+
+    probes = []
+    sample_batch = RolloutDataModule.sample_batch
+
+    def recording_sample_batch(self, problems, n):
+        batch = sample_batch(self, problems, n)
+        policy = self.trainer.lightning_module.policy
+        with torch.no_grad():  # the policy as it is at the probe: entropy from its logits, independently
+            logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                            position_ids=batch.position_ids).logits[:, batch.prompt_length - 1 : -1]
+            entropy = torch.distributions.Categorical(logits=logits.float() / batch.temperature).entropy()
+        probes.append((batch, entropy))
+        return batch
+
+    monkeypatch.setattr(RolloutDataModule, "sample_batch", recording_sample_batch)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = MLFlowLogger(experiment_name="rcea", tracking_uri=uri, artifact_location=str(tmp_path / "artifacts"))
+    module = RLVRModule(model=tiny_model_dir, learning_rate=1e-3)
+    tokenizer = module.tokenizer
+    script = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+              for text in ("1", "2", "11", "12", "111")]
+    rcea = RCEADiagnostics(every_n_steps=2, retention_every_n_steps=2, probe_size=6, probe_samples=2,
+                           rarefaction_size=2, endpoint_samples=12, endpoint_min_per_stratum=5, plots=False)
+    trainer(4, callbacks=[rcea], logger=logger).fit(
+        module, reverse_data(engine=ScriptedEngine(script, pad_id=tokenizer.pad_token_id),
+                             verifier=CallableVerifier(parity_verdict, isolation="inline")))
+    client = MlflowClient(tracking_uri=uri)
+    ratio = {m.step: m.value for m in client.get_metric_history(logger.run_id, "rcea/endpoint_paired_ratio")}
+    count = {m.step: m.value for m in client.get_metric_history(logger.run_id, "rcea/endpoint_paired_questions")}
+    assert sorted(ratio) == [1, 3] and len(probes) == 2
+    for step, (batch, entropy) in zip((1, 3), probes):
+        path = client.download_artifacts(logger.run_id, endpoint_ratios_artifact(step), str(tmp_path / f"s{step}"))
+        with open(path) as f:
+            raw = json.load(f)
+        table = {column: [row[i] for row in raw["data"]] for i, column in enumerate(raw["columns"])}
+        assert set(table) == {"question", "log_ratio", "failed", "successful"}
+        assert 0 < len(table["question"]) == count[step] < 6
+        assert ratio[step] == pytest.approx(math.exp(np.mean(table["log_ratio"])), rel=1e-6)
+        assert len(set(table["question"])) == len(table["question"]) and set(table["question"]) <= set(range(6))
+        for q, log_ratio, failed, successful in zip(*(table[c] for c in ("question", "log_ratio", "failed",
+                                                                         "successful"))):
+            # Rows 12q .. 12q + 11 of the probe batch are probe question q's samples.
+            rows = range(12 * q, 12 * (q + 1))
+            strata = {ok: [entropy[i][batch.response_mask[i] > 0].double() for i in rows
+                           if bool(batch.correct[i]) == ok and batch.response_mask[i].sum() > 0]
+                      for ok in (False, True)}
+            assert (failed, successful) == (len(strata[False]), len(strata[True]))
+            assert min(failed, successful) >= 5
+            hand = math.log(torch.cat(strata[False]).mean().item() / torch.cat(strata[True]).mean().item())
+            assert log_ratio == pytest.approx(hand, abs=2e-6)  # float32 entropies; the log ratios here are ~1e-3
+        assert endpoint_ratios_artifact(step) == f"rcea/endpoint_step_{step:06d}.json"

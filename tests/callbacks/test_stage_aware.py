@@ -65,19 +65,60 @@ def test_perplexity_shaping_preserve_mass_keeps_each_groups_signed_mass():
     assert not torch.allclose(shaped, ctx.advantages)  # mass kept, but moved between responses
 
 
-def test_position_shaping_default_window_is_the_authors_steps_201_to_299():
-    shaping = PositionShaping()
+def test_position_shaping_absolute_window_is_the_authors_steps_201_to_299():
+    shaping = PositionShaping(active_steps=(200, 299), active_fraction=None)
     trainer = trainer_with()
     for step, active in ((199, False), (200, True), (298, True), (299, False)):
         shaping.gate._cached = None
         assert shaping.gate.active(trainer, step) is active
 
 
+def planned_trainer(rollout_steps: int, *callbacks):
+    module = SimpleNamespace(planned_rollout_steps=lambda: rollout_steps)
+    return SimpleNamespace(callbacks=list(callbacks), lightning_module=module)
+
+
+@pytest.mark.parametrize(("total", "first", "last"), [(600, 200, 299), (4500, 1500, 2249), (800, 267, 399)])
+def test_position_shaping_default_window_is_a_third_to_a_half_of_the_run(total, first, last):
+    """The authors' window 200 < verl step < 300 of 600 carried to any length: round(N/3) <= step < round(N/2)."""
+    shaping = PositionShaping()
+    with pytest.raises(RuntimeError, match="not resolved"):
+        shaping.gate.active(trainer_with(), 0)
+    trainer = planned_trainer(total)
+    shaping.setup(trainer, None, "fit")
+    for step, active in ((first - 1, False), (first, True), (last, True), (last + 1, False)):
+        shaping.gate._cached = None
+        assert shaping.gate.active(trainer, step) is active
+
+
+def test_fraction_and_absolute_windows_exclude_each_other():
+    with pytest.raises(ValueError, match="not both"):
+        PositionShaping(active_steps=(200, 299))
+    with pytest.raises(ValueError, match="0 <= a < b <= 1"):
+        PerplexityShaping(active_fraction=(0.5, 1.5))
+    gated = StageGated(ClipCov(), active_in="always", active_fraction=(0.0, 0.1))
+    gated.setup(planned_trainer(50), None, "fit")
+    assert gated.gate.resolved_steps == (0, 5)
+
+
+def test_planned_rollout_steps_counts_optimizer_steps_per_rollout():
+    """1600 optimizer steps at 16 prompts x 8 samples in minibatches of 48, two epochs: 2 x ceil(128/48) = 6 per
+    rollout -> ceil(1600 / 6) = 267 rollout steps."""
+    from lightning_rlvr import RLVRModule
+
+    module = RLVRModule(model="builtin:tiny", minibatch_size=48, ppo_epochs=2)
+    module._trainer = SimpleNamespace(max_steps=1600, datamodule=SimpleNamespace(prompts_per_step=16, group_size=8))
+    assert module.planned_rollout_steps() == 267
+    module._trainer.max_steps = -1
+    with pytest.raises(RuntimeError, match="run length is unknown"):
+        module.planned_rollout_steps()
+
+
 def test_position_shaping_entropy_quantile_restricts_the_bonus():
     mask = torch.ones(2, 4)
     entropy = torch.tensor([[0.1, 2.0, 0.2, 3.0], [0.3, 0.4, 5.0, 0.5]])
     ctx = step_context([1.0, 0.0], mask, advantages=torch.tensor([1.0, -1.0]), old_entropy=entropy)
-    shaped = PositionShaping(active_steps=None, entropy_quantile=0.75).shape_advantages(trainer_with(), None, ctx)
+    shaped = PositionShaping(active_steps=None, active_fraction=None, entropy_quantile=0.75).shape_advantages(trainer_with(), None, ctx)
     # 8 tokens, lower order statistic at index int(0.75 * 7) = 5 of the sorted entropies -> 2.0: three tokens
     changed = shaped != ctx.advantages
     assert changed.tolist() == [[False, True, False, True], [False, False, True, False]]
@@ -87,7 +128,7 @@ def test_position_shaping_entropy_quantile_restricts_the_bonus():
 
 def test_position_shaping_preserve_mass_moves_credit_to_the_end():
     ctx = step_context([1.0], torch.ones(1, 4), advantages=torch.tensor([0.5]))
-    shaped = PositionShaping(active_steps=None, preserve_mass=True).shape_advantages(trainer_with(), None, ctx)
+    shaped = PositionShaping(active_steps=None, active_fraction=None, preserve_mass=True).shape_advantages(trainer_with(), None, ctx)
     assert shaped.sum().item() == pytest.approx(2.0)
     assert (shaped[0, 1:] > shaped[0, :-1]).all()
     assert ctx.metrics.means()["position_shaping/mass_ratio"] == pytest.approx(1.0)

@@ -38,14 +38,14 @@ def test_stage_aware_callbacks_in_a_fit(tiny_model_dir, memory_logger, tmp_path)
     batch = frozen_rollout(tiny_model_dir)
     batch.correct = batch.rewards > 0.5
     detector, observed = StageDetector(), ObservedChange()
-    callbacks = [detector, PerplexityShaping(), PositionShaping(active_steps=(1, 3)),
+    callbacks = [detector, PerplexityShaping(active_fraction=(0.5, 1.0)), PositionShaping(active_steps=(1, 3), active_fraction=None),
                  EntropyPerformanceAnalysis(position_buckets=4, perplexity_buckets=2), observed]
     module = RLVRModule(model=tiny_model_dir, learning_rate=1e-2)
     fit = trainer(4, callbacks=callbacks, logger=memory_logger)
     fit.fit(module, fixed(batch))
     h = memory_logger.history
     assert [h["position_shaping/active"][s] for s in range(4)] == [0.0, 1.0, 1.0, 0.0]
-    assert all(h["ppl_shaping/active"][s] == 1.0 for s in range(4))
+    assert [h["ppl_shaping/active"][s] for s in range(4)] == [0.0, 0.0, 1.0, 1.0]  # the second half of 4 steps
     assert h["stage/plateau"][3] == 0.0  # four steps are far too few for a decision
     for s in range(4):
         total = h["analysis/delta_entropy/positive_contribution"][s] + h["analysis/delta_entropy/negative_contribution"][s]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -15,8 +16,11 @@ from lightning_rlvr.metrics.rcea import (
     StratifiedEntropy,
     bootstrap_ci,
     cluster_modes,
+    effective_mode_count,
     majority_vote_correct,
+    mode_labels,
     mode_retention,
+    rarefied_effective_modes,
     sign_test_pvalue,
     tail_mass_share,
 )
@@ -213,3 +217,121 @@ def test_weighted_bootstrap_covers_a_known_pooled_retention():
         low, high = bootstrap_ci(kept / base, weights=base, num_resamples=400, seed=d)
         covered += low <= 0.8 <= high
     assert 0.89 <= covered / draws <= 0.985
+
+
+# -- rarefied effective modes -----------------------------------------------------------------------------
+def hill_by_hand(labels) -> float:
+    """exp(−Σ_j p_j log p_j), written out independently of the library."""
+    n = len(labels)
+    return math.exp(-sum(labels.count(j) / n * math.log(labels.count(j) / n) for j in set(labels)))
+
+
+def test_effective_mode_count_by_hand():
+    assert effective_mode_count([0, 0, 1, 1]) == pytest.approx(2.0)
+    entropy = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))  # 0.5623...
+    assert entropy == pytest.approx(0.5623, abs=1e-4)
+    assert effective_mode_count([0, 0, 0, 1]) == pytest.approx(math.exp(entropy))
+    assert effective_mode_count([5, 5, 5]) == pytest.approx(1.0)
+    assert effective_mode_count([3, 1, 2]) == pytest.approx(3.0)  # all distinct: as many modes as samples
+    assert math.isnan(effective_mode_count([]))
+
+
+def test_rarefied_effective_modes_is_the_mean_over_subsets():
+    labels = [0, 0, 1, 2, 2, 2]
+    g = torch.Generator().manual_seed(0)
+    # A subset of every label is the whole set: the unrarefied count.
+    assert rarefied_effective_modes(labels, 6, 5, g) == pytest.approx(hill_by_hand(labels))
+    assert math.isnan(rarefied_effective_modes(labels, 7, 5, g))  # fewer labels than the size
+    assert math.isnan(rarefied_effective_modes([], 1, 5, g))
+    # Many draws approach the exact expectation over all C(6, 3) = 20 subsets (values in [1, 3], sd < 0.6:
+    # the standard error at 4000 draws is below 0.01).
+    exact = np.mean([hill_by_hand(list(c)) for c in itertools.combinations(labels, 3)])
+    estimate = rarefied_effective_modes(labels, 3, 4000, torch.Generator().manual_seed(1))
+    assert estimate == pytest.approx(exact, abs=0.04)
+    # Frozen draws: the same seed gives the same value.
+    assert (rarefied_effective_modes(labels, 3, 10, torch.Generator().manual_seed(5))
+            == rarefied_effective_modes(labels, 3, 10, torch.Generator().manual_seed(5)))
+    for size, draws in ((0, 1), (1, 0)):
+        with pytest.raises(ValueError, match="size >= 1 and draws >= 1"):
+            rarefied_effective_modes(labels, size, draws, g)
+
+
+def test_mode_labels_follow_cluster_modes_with_near_duplicates():
+    solutions = ["the sum is 12", "the sum is 12.", "so the sum is 12", "twelve by counting", "twelve  by counting ",
+                 "12"]
+    # Character 3-grams: "so the sum is 12" has 14, "the sum is 12" 11 (all among those 14), "the sum is 12." the
+    # same 11 and "12.". Jaccard: "the sum is 12" ~ "so the sum is 12" = 11/14 = 0.786; "the sum is 12." ~ "so the
+    # sum is 12" = 11/15 = 0.733; "the sum is 12" ~ "the sum is 12." = 11/12 = 0.917. In sorted order "12" and
+    # "so the sum is 12" found modes, "the sum is 12" joins the latter (0.786 >= 0.75), "the sum is 12." does not
+    # match that representative (0.733) and founds its own mode, although it is 0.917 from a member of it.
+    modes = cluster_modes(solutions, similarity=0.75)
+    assert modes == ["12", "so the sum is 12", "the sum is 12.", "twelve by counting"]
+    assert mode_labels(solutions, similarity=0.75) == [1, 2, 1, 3, 3, 0]
+    # At similarity 1 a mode is a distinct normalised text.
+    assert mode_labels(solutions) == [2, 3, 1, 4, 4, 0]
+    assert [cluster_modes(solutions)[j] for j in mode_labels(solutions)] == [" ".join(s.split()) for s in solutions]
+    assert mode_labels([]) == []
+    with pytest.raises(ValueError, match="similarity"):
+        mode_labels(solutions, similarity=0)
+
+
+def test_per_question_rows_are_the_log_ratios_with_their_ids_and_counts():
+    # Question 7: failed entropies [1, 3], [2] and successful [0.5], [0.5, 1.5]; question 9: one of each;
+    # question 11 has no success. The id order is sorted; the counts are responses of each outcome.
+    entropy = torch.tensor([[1.0, 3.0], [2.0, 0.0], [0.5, 0.0], [0.5, 1.5], [4.0, 0.0], [1.0, 0.0], [2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0], [1.0, 1.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+    correct = torch.tensor([0, 0, 1, 1, 1, 0, 0])
+    questions = torch.tensor([9, 7, 7, 9, 7, 7, 11])
+    metric = PairedEntropyRatio()
+    metric.update(entropy, mask, correct, questions)
+    rows = metric.per_question()
+    assert rows["question"].tolist() == [7, 9]
+    assert rows["log_ratio"].tolist() == pytest.approx([math.log(((2 + 1) / 2) / ((0.5 + 4) / 2)),
+                                                         math.log(((1 + 3) / 2) / ((0.5 + 1.5) / 2))])
+    assert rows["failed"].tolist() == [2, 1] and rows["successful"].tolist() == [2, 1]
+    assert rows["log_ratio"].tolist() == metric.log_ratios().tolist()
+    assert metric.compute()["geometric_mean"].item() == pytest.approx(math.exp(rows["log_ratio"].mean().item()))
+
+
+def _per_question_worker(rank: int, init_file: str, out_dir: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        data = batches(n_batches=2)
+        metric, idle = PairedEntropyRatio(), PairedEntropyRatio()
+        for entropy, mask, correct, questions in data:
+            rows = slice(0, 5) if rank == 0 else slice(5, None)  # unequal shards
+            metric.update(entropy[rows], mask[rows], correct[rows], questions[rows])
+        if rank == 0:  # a rank without data updates with typed empty tensors (as RCEADiagnostics does)
+            idle.update(*(t[:6] for t in data[0]))
+        else:
+            idle.update(torch.zeros(0, 1), torch.zeros(0, 1), torch.zeros(0, dtype=torch.bool),
+                        torch.zeros(0, dtype=torch.long))
+        torch.save({"rows": metric.per_question(), "local": metric.log_ratios(), "idle": idle.per_question()},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_per_question_gathers_every_ranks_rows_under_ddp(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_per_question_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    whole = PairedEntropyRatio()
+    for entropy, mask, correct, questions in batches(n_batches=2):
+        whole.update(entropy, mask, correct, questions)
+    expected = paired_by_hand(batches(n_batches=2))
+    for result in results:
+        assert result["rows"]["log_ratio"].tolist() == pytest.approx(expected.tolist())
+        assert result["rows"]["question"].tolist() == whole.per_question()["question"].tolist()
+    # The states are this rank's again after the call (as after compute): rank 0's own rows differ from the whole's.
+    assert results[0]["local"].tolist() != pytest.approx(expected.tolist())
+    only_rank0 = PairedEntropyRatio()
+    only_rank0.update(*(t[:6] for t in batches(n_batches=2)[0]))
+    for result in results:
+        assert result["idle"]["log_ratio"].tolist() == pytest.approx(only_rank0.per_question()["log_ratio"].tolist())
