@@ -754,7 +754,8 @@ def build_report(study: StudyConfig, log_to_mlflow: bool = True) -> dict[str, An
     result = findings(study, methods)
     summary = {"study": study.name, "experiment": study.experiment, "tracking_uri": study.tracking_uri,
                "seeds": list(study.seeds), "missing_runs": missing, "overrides": method_overrides(study),
-               "methods": {m: {"mean": s.mean, "sd": s.sd, "runs": [r.numbers() for r in s.runs]}
+               "methods": {m: {"mean": s.mean, "sd": s.sd, "pooled_paired_ratio": s.pooled,
+                               "runs": [r.numbers() for r in s.runs]}
                            for m, s in methods.items()},
                "findings": result}
     (folder / "summary.json").write_text(json.dumps(summary, indent=1, default=float), encoding="utf-8")

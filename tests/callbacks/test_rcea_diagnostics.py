@@ -129,12 +129,10 @@ def parity_verdict(completion: str, answer: str) -> float:
     return float(sum(map(ord, completion)) % 2 == 0)
 
 
-def test_the_endpoint_ratio_is_the_seeds_estimator_on_its_own_probe_samples(tiny_model_dir, memory_logger,
-                                                                              monkeypatch):
-    """K samples per probe question, their entropies under the policy at that checkpoint, and only the questions
-    with at least ``endpoint_min_per_stratum`` responses in each outcome: recomputed here with torch.distributions."""
+def record_probe_batches(monkeypatch) -> list:
+    """Every ``sample_batch`` of the fit, with its token entropies under the policy at that moment, computed
+    independently from the logits (``torch.distributions``)."""
     from lightning_rlvr.data import RolloutDataModule
-    from lightning_rlvr.verifiers import CallableVerifier
 
     probes = []
     sample_batch = RolloutDataModule.sample_batch
@@ -150,17 +148,32 @@ def test_the_endpoint_ratio_is_the_seeds_estimator_on_its_own_probe_samples(tiny
         return batch
 
     monkeypatch.setattr(RolloutDataModule, "sample_batch", recording_sample_batch)
-    module = RLVRModule(model=tiny_model_dir, learning_rate=1e-3)
-    # Scripted completions that stop: "1", "11" and "111" score 0, "2" and "12" score 1 (a random policy never stops);
-    # a cycle of five over 12 samples a question gives 4 or 5 successes, so a minimum of 5 pairs only some questions.
+    return probes
+
+
+def scripted_endpoint_fit(model_dir: str, logger) -> None:
+    """Four steps with endpoint probes at steps 1 and 3 (6 probe questions × 12 samples), on scripted completions
+    that stop: "1", "11" and "111" score 0, "2" and "12" score 1 (a random policy never stops); a cycle of five over
+    12 samples a question gives 4 or 5 successes, so a minimum of 5 pairs only some questions."""
+    from lightning_rlvr.verifiers import CallableVerifier
+
+    module = RLVRModule(model=model_dir, learning_rate=1e-3)
     tokenizer = module.tokenizer
     script = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
               for text in ("1", "2", "11", "12", "111")]
     rcea = RCEADiagnostics(every_n_steps=2, retention_every_n_steps=2, probe_size=6, probe_samples=2,
                            rarefaction_size=2, endpoint_samples=12, endpoint_min_per_stratum=5, plots=False)
-    trainer(4, callbacks=[rcea], logger=memory_logger).fit(
+    trainer(4, callbacks=[rcea], logger=logger).fit(
         module, reverse_data(engine=ScriptedEngine(script, pad_id=tokenizer.pad_token_id),
                              verifier=CallableVerifier(parity_verdict, isolation="inline")))
+
+
+def test_the_endpoint_ratio_is_the_seeds_estimator_on_its_own_probe_samples(tiny_model_dir, memory_logger,
+                                                                              monkeypatch):
+    """K samples per probe question, their entropies under the policy at that checkpoint, and only the questions
+    with at least ``endpoint_min_per_stratum`` responses in each outcome: recomputed here with torch.distributions."""
+    probes = record_probe_batches(monkeypatch)
+    scripted_endpoint_fit(tiny_model_dir, memory_logger)
     h = memory_logger.history
     assert sorted(h["rcea/endpoint_paired_ratio"]) == [1, 3] and len(probes) == 2
     for (batch, entropy), step in zip(probes, (1, 3)):
@@ -280,35 +293,12 @@ def test_the_endpoint_artifact_reproduces_the_logged_ratio(tiny_model_dir, tmp_p
 
     from mlflow.tracking import MlflowClient
 
-    from lightning_rlvr.data import RolloutDataModule
     from lightning_rlvr.loggers import endpoint_ratios_artifact
-    from lightning_rlvr.verifiers import CallableVerifier
 
-    probes = []
-    sample_batch = RolloutDataModule.sample_batch
-
-    def recording_sample_batch(self, problems, n):
-        batch = sample_batch(self, problems, n)
-        policy = self.trainer.lightning_module.policy
-        with torch.no_grad():  # the policy as it is at the probe: entropy from its logits, independently
-            logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids).logits[:, batch.prompt_length - 1 : -1]
-            entropy = torch.distributions.Categorical(logits=logits.float() / batch.temperature).entropy()
-        probes.append((batch, entropy))
-        return batch
-
-    monkeypatch.setattr(RolloutDataModule, "sample_batch", recording_sample_batch)
+    probes = record_probe_batches(monkeypatch)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     logger = MLFlowLogger(experiment_name="rcea", tracking_uri=uri, artifact_location=str(tmp_path / "artifacts"))
-    module = RLVRModule(model=tiny_model_dir, learning_rate=1e-3)
-    tokenizer = module.tokenizer
-    script = [tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-              for text in ("1", "2", "11", "12", "111")]
-    rcea = RCEADiagnostics(every_n_steps=2, retention_every_n_steps=2, probe_size=6, probe_samples=2,
-                           rarefaction_size=2, endpoint_samples=12, endpoint_min_per_stratum=5, plots=False)
-    trainer(4, callbacks=[rcea], logger=logger).fit(
-        module, reverse_data(engine=ScriptedEngine(script, pad_id=tokenizer.pad_token_id),
-                             verifier=CallableVerifier(parity_verdict, isolation="inline")))
+    scripted_endpoint_fit(tiny_model_dir, logger)
     client = MlflowClient(tracking_uri=uri)
     ratio = {m.step: m.value for m in client.get_metric_history(logger.run_id, "rcea/endpoint_paired_ratio")}
     count = {m.step: m.value for m in client.get_metric_history(logger.run_id, "rcea/endpoint_paired_questions")}
