@@ -10,6 +10,11 @@ round after round, so that a slow patch of the machine hits all of them alike; t
     python benchmarks/bench_step.py                       # 4 and 16 new tokens, tiny and larger model
     python benchmarks/bench_step.py --rounds 5 --steps 60 --json step.json
     python benchmarks/bench_step.py --trainers lightning_rlvr bare   # without TRL (pip install -e '.[bench]')
+    python benchmarks/bench_step.py --trainers lightning_rlvr lightning_rlvr_lag1 --models larger --new-tokens 16 64
+
+``lightning_rlvr_lag1`` is lightning_rlvr with asynchronous rollouts (``max_policy_lag=1``: the next rollout is
+generated in a background thread on ``HFEngine(weights="copy")`` while the step trains, TIS-corrected with cap 2);
+the "× lag 0" column compares it with ``lightning_rlvr`` measured in the same rounds.
 
 Settings: ``tiny`` is the embedded model (h64, 2 layers, ~77k parameters); ``larger`` is h256, 4 layers,
 ~2.4M parameters, where the update dominates the step.
@@ -26,14 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
-TRAINERS = ("lightning_rlvr", "bare", "trl")
+TRAINERS = ("lightning_rlvr", "lightning_rlvr_lag1", "bare", "trl")
 MODELS = {"tiny": {}, "larger": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
                                   "num_key_value_heads": 4, "intermediate_size": 512}}
 PROMPTS, GROUP, LR = 8, 8, 3e-4
 
 
 # ------------------------------------------------------------------------------------------------ the workers
-def _setting(model: str, directory: str):
+def _setting(model: str, directory: str, new_tokens: int):
     import torch
 
     from lightning_rlvr import BuiltinTask
@@ -41,15 +46,16 @@ def _setting(model: str, directory: str):
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    max_positions = 64
+    max_positions = 64 if new_tokens <= 48 else 128  # prompt (≤ 8 tokens) + completion must fit
     path = build_tiny_model(directory, TinyModelConfig(max_position_embeddings=max_positions, **MODELS[model]))
     return path, BuiltinTask("addition", max_operand=49)
 
 
-def run_lightning_rlvr(path: str, task, new_tokens: int, steps: int) -> list[float]:
+def run_lightning_rlvr(path: str, task, new_tokens: int, steps: int, max_policy_lag: int = 0) -> list[float]:
     import lightning.pytorch as pl
 
     from lightning_rlvr import RLVRModule, RolloutDataModule
+    from lightning_rlvr.rollout import HFEngine
 
     stamps: list[float] = []
 
@@ -57,9 +63,11 @@ def run_lightning_rlvr(path: str, task, new_tokens: int, steps: int) -> list[flo
         def on_train_batch_end(self, *args, **kwargs) -> None:
             stamps.append(time.perf_counter())
 
+    lagged = {"engine": HFEngine(weights="copy"), "max_policy_lag": 1} if max_policy_lag else {}
     data = RolloutDataModule(source=task, prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=new_tokens,
-                             val_samples=0)
-    module = RLVRModule(model=path, learning_rate=LR, max_grad_norm=1.0, loss_aggregation="token-mean")
+                             val_samples=0, **lagged)
+    module = RLVRModule(model=path, learning_rate=LR, max_grad_norm=1.0, loss_aggregation="token-mean",
+                        engine_is_cap=2.0 if max_policy_lag else None)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, callbacks=[Stamp()])
@@ -145,8 +153,9 @@ def run_trl(path: str, task, new_tokens: int, steps: int) -> list[float]:
 
 def worker(trainer: str, model: str, new_tokens: int, steps: int, warmup: int) -> dict:
     with tempfile.TemporaryDirectory() as directory:
-        path, task = _setting(model, directory)
-        run = {"lightning_rlvr": run_lightning_rlvr, "bare": run_bare, "trl": run_trl}[trainer]
+        path, task = _setting(model, directory, new_tokens)
+        run = {"lightning_rlvr": run_lightning_rlvr, "bare": run_bare, "trl": run_trl,
+               "lightning_rlvr_lag1": lambda *a: run_lightning_rlvr(*a, max_policy_lag=1)}[trainer]
         stamps = run(path, task, new_tokens, steps + warmup)
     if len(stamps) < warmup + 2:
         raise RuntimeError(f"{trainer} stamped {len(stamps)} steps, expected {steps + warmup}")
@@ -197,17 +206,19 @@ def main() -> None:
                     "completions_per_s": median[trainer] * PROMPTS * GROUP, "rounds": samples[trainer],
                     "vs_bare": median[trainer] / median["bare"] if "bare" in median else None,
                     "vs_trl": median[trainer] / median["trl"] if "trl" in median else None,
+                    "vs_lag0": (median[trainer] / median["lightning_rlvr"]
+                                if "lightning_rlvr" in median and trainer.startswith("lightning_rlvr") else None),
                 })
             print(f"{model}, {new_tokens} new tokens: " + ", ".join(f"{t} {median[t]:.1f}" for t in args.trainers),
                   file=sys.stderr, flush=True)
 
     print(f"\n{PROMPTS} prompts x {GROUP} completions per step; median of {args.rounds} rounds of {args.steps} steps")
-    print("| model | new tokens | trainer | steps/s | completions/s | × bare loop | × TRL |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | new tokens | trainer | steps/s | completions/s | × bare loop | × TRL | × lag 0 |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         ratio = lambda key: "—" if row[key] is None else f"{row[key]:.2f}"  # noqa: E731
         print(f"| {row['model']} | {row['new_tokens']} | {row['trainer']} | {row['steps_per_s']:.1f} | "
-              f"{row['completions_per_s']:.0f} | {ratio('vs_bare')} | {ratio('vs_trl')} |")
+              f"{row['completions_per_s']:.0f} | {ratio('vs_bare')} | {ratio('vs_trl')} | {ratio('vs_lag0')} |")
     if args.json:
         args.json.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2))
 

@@ -244,6 +244,8 @@ def test_fsdp_checkpoint_has_no_reference_and_resumes_exactly(distributed, tiny_
             torch.testing.assert_close(resumed["weights"][key], value, rtol=0, atol=0)
         assert set(resumed["history"]["loss/kl"]) == {2}
         for key, values in resumed["history"].items():
+            if key.startswith("perf/"):
+                continue  # wall-clock seconds
             assert repr(values[2]) == repr(full["history"][key][2]), key
     assert full["history"]["loss/kl"][2] > 0  # the reference (rebuilt by the replayed warm start) matters
 
@@ -363,6 +365,8 @@ def test_multi_rank_resume_continues_the_epoch_exactly(strategy, tiny_model_dir,
         history = resumed[rank]["history"]
         assert set(history["loss/pg"]) == {2, 3}
         for key, values in history.items():  # every rank's RNG state restored: identical sampling and losses
+            if key.startswith("perf/"):
+                continue  # wall-clock seconds
             expected = {s: repr(full[rank]["history"][key][s]) for s in values}
             assert {s: repr(v) for s, v in values.items()} == expected, key
 

@@ -12,8 +12,9 @@ the closed form for zero net predicted flow, ``(1 + λ*)F₊ − (1 − λ*)F₋
 (ALGORITHMS.md §13.3, which overrides the derived design of §9.2). Tokens with ``c = 0`` (zero-advantage
 groups, clipped tokens) keep weight 1. The paper trains *strictly on-policy* — one optimizer step per rollout
 on the whole batch, so ``r = 1`` and the prediction is at the policy the step starts from; by default this
-callback refuses other schedules (``strict_on_policy=False`` allows them: flows then use the current ratio
-and zero out clipped tokens, the §9.2 extension).
+callback refuses other schedules and rollouts generated ahead (``Needs.on_policy``: no
+``RolloutDataModule(max_policy_lag=1)``); ``strict_on_policy=False`` allows them: flows then use the current
+ratio and zero out clipped tokens, the §9.2 extension.
 
 Choices of ours, each an argument: ``flow="exact"`` uses E3; ``"onlyza"`` the sampled-logit-only estimate
 ``−A r π(1−π)(log π + H)``, likely the paper's Eq. 6, which a third-party review disputes (§13.3).
@@ -78,7 +79,7 @@ class OPEFO(Intervention):
         self.flow, self.coefficient, self.static_lambda = flow, coefficient, float(static_lambda)
         self.sides, self.strict_on_policy = sides, bool(strict_on_policy)
         # S̄ only for the exact flow; the sampled-logit estimate needs log π and H alone.
-        self.needs = Needs(flow_stats=flow == "exact", minibatch_stats=True)
+        self.needs = Needs(flow_stats=flow == "exact", minibatch_stats=True, on_policy=self.strict_on_policy)
 
     @property
     @override

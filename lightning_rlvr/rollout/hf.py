@@ -4,6 +4,8 @@ transformers' ``generate`` for policies sharded across ranks."""
 from __future__ import annotations
 
 import contextlib
+import copy
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -87,20 +89,52 @@ class HFEngine(RolloutEngine):
     so they are computed only in float32 without autocast; under bf16 the pass stays, as in verl and OpenRLHF,
     whose engines are separate, lower-precision copies.
 
+    **Its own weight copy** (``weights="copy"``): :meth:`sync` copies the policy's parameters and buffers into a
+    private module (deep-copied at the first sync, written in place afterwards), and generation runs on that copy.
+    The trainer may then update the live policy while this engine generates, e.g. in the background thread of
+    ``RolloutDataModule(max_policy_lag=1)``; the copy's behaviour statistics are the *generating* policy's. A
+    ``generator`` set on the engine makes its sampling draw from that generator instead of torch's global one (a
+    background thread must not share the training thread's random stream). Not for a policy sharded across ranks.
+
     Args:
         use_cache: use the KV cache during generation.
         behaviour_stats: compute the behaviour statistics while decoding when the call asks for them
             (``SamplingConfig.behaviour_stats``; float32, own loop only). ``False`` = the trainer's pass always.
+        weights: ``"live"`` (generate with the training module itself; sync is free) or ``"copy"`` (a private
+            copy, written at each sync).
     """
 
-    def __init__(self, use_cache: bool = True, behaviour_stats: bool = True) -> None:
+    def __init__(self, use_cache: bool = True, behaviour_stats: bool = True,
+                 weights: Literal["live", "copy"] = "live") -> None:
+        if weights not in ("live", "copy"):
+            raise ValueError(f"HFEngine: weights must be 'live' or 'copy', got {weights!r}")
         self.use_cache = use_cache
         self.behaviour_stats = behaviour_stats
+        self.weights = weights
         self.policy: nn.Module | None = None
         self.version: int = -1
+        #: draws the samples when set (else torch's global generator).
+        self.generator: torch.Generator | None = None
 
+    @property
+    def holds_own_weights(self) -> bool:
+        """Whether generation is independent of later changes to the live policy (until the next sync)."""
+        return self.weights == "copy"
+
+    @torch.no_grad()
     def sync(self, policy: nn.Module, version: int) -> None:
-        self.policy = policy
+        if self.weights == "live":
+            self.policy = policy
+        else:
+            if is_sharded(policy):
+                raise ValueError("HFEngine(weights='copy') cannot copy a policy sharded across ranks (FSDP2, ZeRO-3)")
+            if self.policy is None:
+                self.policy = copy.deepcopy(policy)
+                self.policy.requires_grad_(False)
+            else:
+                for mine, theirs in zip(self.policy.state_dict(keep_vars=True).values(),
+                                        policy.state_dict(keep_vars=True).values()):
+                    mine.copy_(theirs)
         self.version = version
 
     @torch.no_grad()
@@ -123,6 +157,9 @@ class HFEngine(RolloutEngine):
         behaviour = None
         try:
             if synced or not self.use_cache:
+                if self.generator is not None:
+                    raise RuntimeError("HFEngine.generator draws in the engine's own decoding loop only (use_cache=True, "
+                                       "a policy not sharded across ranks); transformers' generate uses the global RNG")
                 completion_ids, lengths, stopped = self._hf_generate(policy, prompt_ids, prompt_mask, sampling, pad_id,
                                                                      synced)
             else:
@@ -182,7 +219,8 @@ class HFEngine(RolloutEngine):
             if sampling.greedy:
                 chosen = scores.argmax(-1)
             else:
-                chosen = torch.multinomial(_warp(scores, sampling).softmax(-1), num_samples=1).squeeze(1)
+                chosen = torch.multinomial(_warp(scores, sampling).softmax(-1), num_samples=1,
+                                           generator=self.generator).squeeze(1)
             chosen = chosen.masked_fill(finished, pad_id)
             tokens.append(chosen)
             if stats is not None:

@@ -232,3 +232,30 @@ def test_an_fsdp2_sharded_policy_decodes_the_same_tokens(policy, tmp_path):
     finally:
         dist.destroy_process_group()
     assert torch.equal(got, expected)
+
+
+def test_a_copy_engine_generates_what_the_live_one_does_until_the_policy_changes(policy):
+    policy = copy.deepcopy(policy)  # the fixture is shared: this test changes the weights
+    live, own = HFEngine(), HFEngine(weights="copy")
+    live.sync(policy, 0)
+    own.sync(policy, 0)
+    prompts, sampling = PROMPTS, SamplingConfig(max_new_tokens=5, behaviour_stats=True)
+    torch.manual_seed(3)
+    expected = live.generate(prompts, 4, sampling)
+    torch.manual_seed(3)
+    got = own.generate(prompts, 4, sampling)
+    assert torch.equal(expected.completion_ids, got.completion_ids)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.5)  # the live policy moves on; the copy keeps version 0 until the next sync
+    own.generator = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)
+    after = live.generate(prompts, 4, sampling)
+    again = own.generate(prompts, 4, sampling)
+    assert torch.equal(again.completion_ids, got.completion_ids)  # own generator seeded as the global one was
+    assert not torch.allclose(after.behaviour.logprobs, again.behaviour.logprobs)
+    own.sync(policy, 1)
+    own.generator = None
+    torch.manual_seed(3)
+    synced = own.generate(prompts, 4, sampling)
+    assert torch.equal(synced.completion_ids, after.completion_ids)
