@@ -408,6 +408,9 @@ def test_the_endpoint_paired_ratio_is_preferred_when_the_run_logged_it():
                                                                                                 0.97, 1.14)
     assert run.rolling_paired_ratio == 1.3 and run.endpoint_coverage == 0.25
     assert (run.windows, run.windows_above_one) == (rolling.windows, rolling.windows_above_one)  # rolling windows
+    history["rcea/endpoint_paired_ratio"] = [(199, math.nan)]  # a collapsed policy: no question paired at the probe
+    unpaired = summarise_run("grpo", 0, "x", history, late_window=50)
+    assert unpaired.paired_estimator == "endpoint" and math.isnan(unpaired.paired_ratio)
 
 
 def test_pooled_paired_ratio_is_the_geometric_mean_of_all_rows_with_a_question_cluster_bootstrap():

@@ -212,7 +212,9 @@ def summarise_run(method: str, seed: int, run_id: str, history: dict[str, Series
         blocks.setdefault(int(step) // block, []).append(values)
     probe_blocks = [tuple(map(math.fsum, zip(*blocks[b]))) for b in sorted(blocks)]
     lambdas = [v for _, v in history.get("opefo/lambda", []) if math.isfinite(v)]
-    endpoint = any(math.isfinite(v) for _, v in history.get("rcea/endpoint_paired_ratio", []))
+    # A run that probed the endpoint reports it, even where no question paired (a collapsed policy: NaN), rather
+    # than falling back to another estimator under the same column.
+    endpoint = bool(history.get("rcea/endpoint_paired_ratio"))
     ratio_key, low_key, high_key = (("rcea/endpoint_paired_ratio", "rcea/endpoint_ci_low", "rcea/endpoint_ci_high")
                                     if endpoint else ("rcea/paired_ratio", "rcea/paired_ci_low", "rcea/paired_ci_high"))
     tradeoff_points = []
