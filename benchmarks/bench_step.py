@@ -10,11 +10,14 @@ round after round, so that a slow patch of the machine hits all of them alike; t
     python benchmarks/bench_step.py                       # 4 and 16 new tokens, tiny and larger model
     python benchmarks/bench_step.py --rounds 5 --steps 60 --json step.json
     python benchmarks/bench_step.py --trainers lightning_rlvr bare   # without TRL (pip install -e '.[bench]')
-    python benchmarks/bench_step.py --trainers lightning_rlvr lightning_rlvr_lag1 --models larger --new-tokens 16 64
+    python benchmarks/bench_step.py --trainers lightning_rlvr lightning_rlvr_lag1 lightning_rlvr_lag1_process \
+        --models larger --new-tokens 16 64
 
 ``lightning_rlvr_lag1`` is lightning_rlvr with asynchronous rollouts (``max_policy_lag=1``: the next rollout is
 generated in a background thread on ``HFEngine(weights="copy")`` while the step trains, TIS-corrected with cap 2);
-the "× lag 0" column compares it with ``lightning_rlvr`` measured in the same rounds.
+``lightning_rlvr_lag1_process`` generates it in a process of its own (``ProcessEngine(threads=1)``, the weights
+broadcast over gloo at each step) beside the trainer's two threads. The "× lag 0" column compares each with
+``lightning_rlvr`` measured in the same rounds.
 
 Settings: ``tiny`` is the embedded model (h64, 2 layers, ~77k parameters); ``larger`` is h256, 4 layers,
 ~2.4M parameters, where the update dominates the step.
@@ -31,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TRAINERS = ("lightning_rlvr", "lightning_rlvr_lag1", "bare", "trl")
+TRAINERS = ("lightning_rlvr", "lightning_rlvr_lag1", "lightning_rlvr_lag1_process", "bare", "trl")
 MODELS = {"tiny": {}, "larger": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
                                   "num_key_value_heads": 4, "intermediate_size": 512}}
 PROMPTS, GROUP, LR = 8, 8, 3e-4
@@ -51,11 +54,11 @@ def _setting(model: str, directory: str, new_tokens: int):
     return path, BuiltinTask("addition", max_operand=49)
 
 
-def run_lightning_rlvr(path: str, task, new_tokens: int, steps: int, max_policy_lag: int = 0) -> list[float]:
+def run_lightning_rlvr(path: str, task, new_tokens: int, steps: int, engine=None) -> list[float]:
+    """``engine``: ``None`` for the default (strictly on-policy), else the engine of a ``max_policy_lag=1`` run."""
     import lightning.pytorch as pl
 
     from lightning_rlvr import RLVRModule, RolloutDataModule
-    from lightning_rlvr.rollout import HFEngine
 
     stamps: list[float] = []
 
@@ -63,11 +66,11 @@ def run_lightning_rlvr(path: str, task, new_tokens: int, steps: int, max_policy_
         def on_train_batch_end(self, *args, **kwargs) -> None:
             stamps.append(time.perf_counter())
 
-    lagged = {"engine": HFEngine(weights="copy"), "max_policy_lag": 1} if max_policy_lag else {}
+    lagged = {"engine": engine, "max_policy_lag": 1} if engine is not None else {}
     data = RolloutDataModule(source=task, prompts_per_step=PROMPTS, group_size=GROUP, max_new_tokens=new_tokens,
                              val_samples=0, **lagged)
     module = RLVRModule(model=path, learning_rate=LR, max_grad_norm=1.0, loss_aggregation="token-mean",
-                        engine_is_cap=2.0 if max_policy_lag else None)
+                        engine_is_cap=2.0 if engine is not None else None)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, callbacks=[Stamp()])
@@ -152,11 +155,17 @@ def run_trl(path: str, task, new_tokens: int, steps: int) -> list[float]:
 
 
 def worker(trainer: str, model: str, new_tokens: int, steps: int, warmup: int) -> dict:
+    from lightning_rlvr.rollout import HFEngine, ProcessEngine
+
     with tempfile.TemporaryDirectory() as directory:
         path, task = _setting(model, directory, new_tokens)
-        run = {"lightning_rlvr": run_lightning_rlvr, "bare": run_bare, "trl": run_trl,
-               "lightning_rlvr_lag1": lambda *a: run_lightning_rlvr(*a, max_policy_lag=1)}[trainer]
-        stamps = run(path, task, new_tokens, steps + warmup)
+        lagged = {"lightning_rlvr_lag1": lambda: HFEngine(weights="copy"),
+                  "lightning_rlvr_lag1_process": lambda: ProcessEngine(threads=1)}
+        if trainer in lagged:
+            stamps = run_lightning_rlvr(path, task, new_tokens, steps + warmup, engine=lagged[trainer]())
+        else:
+            stamps = {"lightning_rlvr": run_lightning_rlvr, "bare": run_bare, "trl": run_trl}[trainer](
+                path, task, new_tokens, steps + warmup)
     if len(stamps) < warmup + 2:
         raise RuntimeError(f"{trainer} stamped {len(stamps)} steps, expected {steps + warmup}")
     timed = stamps[warmup:]

@@ -11,7 +11,7 @@ from test_module import reverse_data, trainer
 
 from lightning_rlvr import RLVRModule
 from lightning_rlvr.callbacks import OPEFO, Intervention, SupervisedWarmStart
-from lightning_rlvr.rollout import HFEngine, SamplingConfig
+from lightning_rlvr.rollout import HFEngine, ProcessEngine, SamplingConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -53,8 +53,9 @@ class GeneratingPolicyCheck(Intervention):
         return None
 
 
-def lagged_fit(steps, callbacks, memory_logger=None, **data_kwargs):
-    data = reverse_data(engine=HFEngine(weights="copy"), max_policy_lag=1, **data_kwargs)
+def lagged_fit(steps, callbacks, memory_logger=None, engine=None, **data_kwargs):
+    engine = engine if engine is not None else HFEngine(weights="copy")
+    data = reverse_data(engine=engine, max_policy_lag=1, **data_kwargs)
     module = RLVRModule(model="builtin:tiny", learning_rate=1e-2, engine_is_cap=CAP, minibatch_size=None)
     fit = trainer(steps, callbacks=[SupervisedWarmStart(steps=100), *callbacks],
                   logger=memory_logger if memory_logger is not None else False)
@@ -62,10 +63,14 @@ def lagged_fit(steps, callbacks, memory_logger=None, **data_kwargs):
     return fit, module, data
 
 
-def test_every_batch_comes_from_this_or_the_previous_steps_policy_and_is_corrected(memory_logger):
+@pytest.mark.parametrize("make_engine", [lambda: HFEngine(weights="copy"), lambda: ProcessEngine(threads=1)],
+                         ids=["thread", "process"])
+def test_every_batch_comes_from_this_or_the_previous_steps_policy_and_is_corrected(memory_logger, make_engine):
     torch.manual_seed(0)
     check = GeneratingPolicyCheck()
-    lagged_fit(8, [check], memory_logger, dynamic_sampling=True, max_generation_rounds=2)
+    engine = make_engine()
+    lagged_fit(8, [check], memory_logger, engine, dynamic_sampling=True, max_generation_rounds=2)
+    assert getattr(engine, "_process", None) is None  # the fit's end stopped a process engine
     starts = check.start_versions
     for step, seen in enumerate(check.seen):
         allowed = starts[max(step - 1, 0) : step + 1]

@@ -33,10 +33,11 @@ def test_benchmark_explains_itself(script):
 
 
 def test_bench_step_times_lightning_rlvr_against_the_bare_loop(tmp_path):
-    table = run("bench_step.py", "--trainers", "lightning_rlvr", "lightning_rlvr_lag1", "bare", "--models", "tiny",
+    table = run("bench_step.py", "--trainers", "lightning_rlvr", "lightning_rlvr_lag1", "lightning_rlvr_lag1_process",
+                "bare", "--models", "tiny",
                 "--new-tokens", "4", "--steps", "3", "--warmup", "1", "--rounds", "1", tmp_path=tmp_path)
     rows = {row["trainer"]: row for row in table["rows"]}
-    assert set(rows) == {"lightning_rlvr", "lightning_rlvr_lag1", "bare"}
+    assert set(rows) == {"lightning_rlvr", "lightning_rlvr_lag1", "lightning_rlvr_lag1_process", "bare"}
     assert all(row["steps_per_s"] > 0 for row in rows.values())
     assert rows["bare"]["vs_bare"] == pytest.approx(1.0) and rows["lightning_rlvr"]["vs_lag0"] == pytest.approx(1.0)
     assert rows["bare"]["vs_lag0"] is None

@@ -24,7 +24,8 @@ One rollout of ``prompts_per_step`` prompts:
 Asynchronous rollouts (``max_policy_lag=1``): at each step the batch generated in the background during the
 previous step is trained on, and the next step's prompts (known from the resumable shuffle's order; the first step
 of an epoch has none ahead) start generating in a background thread on the engine's own copy of the weights, taken
-before this step's updates, with a ``torch.Generator`` of their own. The batch's ``engine_logprobs`` are the
+before this step's updates, with a ``torch.Generator`` of their own (``HFEngine(weights="copy")`` decodes in that
+thread, sharing the interpreter with training; a ``ProcessEngine`` decodes in its own process while the thread waits). The batch's ``engine_logprobs`` are the
 generating policy's log-probs and it carries no behaviour statistics, so the trainer's old policy is the current one
 and ``RLVRModule(engine_is_cap=...)`` importance-corrects the staleness. Anything else that uses the engine
 (validation, probes, a checkpoint) waits for the background generation first. One process only.
@@ -240,7 +241,8 @@ class RolloutDataModule(pl.LightningDataModule):
             of its step. ``1``: the next step's rollout is generated in a background thread while this step trains,
             by the policy at the start of this step (one rollout step old), so generation overlaps training (see
             "Asynchronous rollouts" in the module docstring). Needs an engine with its own weights
-            (``HFEngine(weights="copy")``) and ``RLVRModule(engine_is_cap=...)``.
+            (``HFEngine(weights="copy")`` in a thread of this process, or ``ProcessEngine()`` in a process of its own)
+            and ``RLVRModule(engine_is_cap=...)``.
     """
 
     def __init__(
@@ -391,8 +393,8 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.max_policy_lag:
             if not getattr(self.engine, "holds_own_weights", False):
                 raise ValueError(f"max_policy_lag=1 generates while the policy trains: the engine needs its own copy of "
-                                 f"the weights, e.g. HFEngine(weights='copy'); {type(self.engine).__name__} generates "
-                                 f"with the live policy")
+                                 f"the weights, e.g. HFEngine(weights='copy') or ProcessEngine(); "
+                                 f"{type(self.engine).__name__} generates with the live policy")
             if self.trainer is not None and self.trainer.world_size > 1:
                 raise ValueError(f"max_policy_lag=1 runs on one process only for now (got {self.trainer.world_size} "
                                  f"ranks): its background rollout must not run collectives beside the training step's")
@@ -409,6 +411,8 @@ class RolloutDataModule(pl.LightningDataModule):
             self._prefetch = None
             self._executor.shutdown()
             self._executor = None
+        self.engine.close()
+        self._synced_version = None  # a closed engine holds no weights: the next fit syncs again
         self.runner.close()
 
     def train_dataloader(self) -> DataLoader:

@@ -115,6 +115,10 @@ class RolloutEngine(ABC):
         (an engine on the live policy holds nothing), vLLM's goes to sleep.
         """
 
+    def close(self) -> None:
+        """Done with the engine for this fit: stop what it runs apart from the trainer (nothing by default; a
+        :class:`~lightning_rlvr.rollout.process.ProcessEngine` stops its process). The next ``sync`` starts afresh."""
+
     @staticmethod
     def stop_ids(policy: nn.Module, sampling: SamplingConfig) -> tuple[int, ...]:
         """The call's stop ids (``sampling.stop_token_ids``); without them, the policy's generation config's EOS ids."""
