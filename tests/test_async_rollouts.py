@@ -90,6 +90,19 @@ def test_every_batch_comes_from_this_or_the_previous_steps_policy_and_is_correct
     assert all(waits[s] >= 0 for s in range(8)) and all(memory_logger.history["perf/train_s"][s] > 0 for s in range(8))
 
 
+def test_a_bf16_policy_runs_at_lag_one_on_the_engines_own_logprobs():
+    torch.manual_seed(0)
+    check = GeneratingPolicyCheck()
+    data = reverse_data(engine=HFEngine(weights="copy"), max_policy_lag=1)
+    module = RLVRModule(model="builtin:tiny", dtype="bfloat16", learning_rate=1e-2, engine_is_cap=CAP)
+    trainer(4, callbacks=[SupervisedWarmStart(steps=20), check]).fit(module, data)
+    assert next(module.policy.parameters()).dtype == torch.bfloat16
+    for step, seen in enumerate(check.seen):
+        assert seen["version"] == check.start_versions[max(step - 1, 0)]
+        # the engine scored its rollout with the generating bf16 weights, as the snapshot's forward does
+        assert seen["engine_error"] < 1e-3, (step, seen)
+
+
 def test_a_resumed_run_trains_on_no_batch_older_than_one_step(tmp_path):
     torch.manual_seed(0)
     fit, _, _ = lagged_fit(4, [])

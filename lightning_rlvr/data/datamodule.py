@@ -25,9 +25,10 @@ Asynchronous rollouts (``max_policy_lag=1``): at each step the batch generated i
 previous step is trained on, and the next step's prompts (known from the resumable shuffle's order; the first step
 of an epoch has none ahead) start generating in a background thread on the engine's own copy of the weights, taken
 before this step's updates, with a ``torch.Generator`` of their own (``HFEngine(weights="copy")`` decodes in that
-thread, sharing the interpreter with training; a ``ProcessEngine`` decodes in its own process while the thread waits). The batch's ``engine_logprobs`` are the
-generating policy's log-probs and it carries no behaviour statistics, so the trainer's old policy is the current one
-and ``RLVRModule(engine_is_cap=...)`` importance-corrects the staleness. Anything else that uses the engine
+thread, sharing the interpreter with training; a ``ProcessEngine`` decodes in its own process while the thread
+waits). The batch's ``engine_logprobs`` are the generating policy's log-probs and it carries no behaviour
+statistics, so the trainer's old policy is the current one and ``RLVRModule(engine_is_cap=...)`` importance-corrects
+the staleness. Anything else that uses the engine
 (validation, probes, a checkpoint) waits for the background generation first. One process only.
 
 Exact resume: :meth:`RolloutDataModule.state_dict` (in every checkpoint) records the epoch's shuffle seed, the
@@ -555,7 +556,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self._generations += 1
         device = self.trainer.lightning_module.device
         self.engine.generator = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + self._generations)
-        sampling = replace(self.sampling, behaviour_stats=True)
+        # the decoding loop's float32 stats give the log-probs for free; where it has none (bf16), the engine scores
+        sampling = replace(self.sampling, behaviour_stats=True, logprobs=True)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
         return self._executor.submit(self._generating_policy_batch, problems, version, sampling)
@@ -564,11 +566,10 @@ class RolloutDataModule(pl.LightningDataModule):
         """A batch whose ``engine_logprobs`` are the generating policy's log-probs (and no behaviour stats: the
         trainer's old policy is the current one, and the gap between the two is importance-corrected)."""
         batch = self._generate_batch(problems, version, sampling, collective=False)
-        if batch.behaviour_logprobs is None:
+        if batch.engine_logprobs is None:
             raise RuntimeError(f"max_policy_lag=1: {type(self.engine).__name__} returned no log-probs of the policy that "
-                               f"generated the batch (HFEngine computes them in float32 only, without autocast)")
-        return replace(batch, engine_logprobs=batch.behaviour_logprobs, behaviour_logprobs=None,
-                       behaviour_entropy=None, behaviour_sbar=None)
+                               f"generated the batch (SamplingConfig.logprobs asks for them)")
+        return replace(batch, behaviour_logprobs=None, behaviour_entropy=None, behaviour_sbar=None)
 
     def _wait_for_background(self) -> None:
         """Let a background generation finish before anything else uses the engine (validation, probes, a

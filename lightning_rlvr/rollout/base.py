@@ -34,6 +34,9 @@ class SamplingConfig:
             cannot compute them exactly returns ``None``.
         stop_token_ids: the ids that end a completion (:func:`~lightning_rlvr.rollout.stops.resolve_stop_token_ids`;
             the DataModule fills them in). Empty: the policy's ``generation_config.eos_token_id``.
+        logprobs: ask for :attr:`GenerationOutput.logprobs`, the generating weights' own log-probs of the sampled
+            tokens at the sampling temperature, in the engine's precision (asynchronous rollouts need them); engines
+            that always return theirs (vLLM) ignore it.
     """
 
     max_new_tokens: int = 8
@@ -43,6 +46,7 @@ class SamplingConfig:
     greedy: bool = False
     behaviour_stats: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

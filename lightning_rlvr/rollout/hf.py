@@ -87,7 +87,9 @@ class HFEngine(RolloutEngine):
     trainer skips that pass (on the tiny model: 0.3–0.5 ms per rollout, against a ~4 ms forward).
     They differ from that pass only by float rounding (a cached one-token forward against a full-sequence one),
     so they are computed only in float32 without autocast; under bf16 the pass stays, as in verl and OpenRLHF,
-    whose engines are separate, lower-precision copies.
+    whose engines are separate, lower-precision copies. The engine's own log-probs of the sampled tokens
+    (``SamplingConfig.logprobs``, which asynchronous rollouts ask for) are those float32 stats where the loop has them,
+    else one no-grad forward of the generating weights over prompt and completion, in their precision.
 
     **Its own weight copy** (``weights="copy"``): :meth:`sync` copies the policy's parameters and buffers into a
     private module (deep-copied at the first sync, written in place afterwards), and generation runs on that copy.
@@ -170,10 +172,30 @@ class HFEngine(RolloutEngine):
                 completion_ids, lengths, stopped = completion_ids.clone(), lengths.clone(), stopped.clone()
                 if behaviour is not None:
                     behaviour = TokenStats(*(t.clone() for t in (behaviour.logprobs, behaviour.entropy, behaviour.sbar)))
+            logprobs = None
+            if sampling.logprobs and not sampling.greedy:
+                if behaviour is not None:
+                    logprobs = behaviour.logprobs
+                else:
+                    with decoding_mode:
+                        logprobs = self._score(policy, prompt_ids, prompt_mask, completion_ids, sampling).clone()
         finally:
             _set_mode(policy, was_training)
         return GenerationOutput(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-                                lengths=lengths, stopped=stopped, behaviour=behaviour)
+                                lengths=lengths, stopped=stopped, logprobs=logprobs, behaviour=behaviour)
+
+    @staticmethod
+    def _score(policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
+               sampling: SamplingConfig) -> Tensor:
+        """``log π(token)`` of every completion token under ``policy`` at the sampling temperature, from one forward
+        over prompt and completion: the engine's log-probs where its decoding loop has none (a bf16 policy, autocast,
+        ``behaviour_stats=False``). Positions past a row's length are scored too and ignored by the caller."""
+        mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
+        logits = policy(input_ids=torch.cat([prompt_ids, completion_ids], dim=1), attention_mask=mask,
+                        position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                        logits_to_keep=completion_ids.shape[1] + 1).logits[:, :-1]
+        return token_logprobs_and_entropy(logits, completion_ids, sampling.temperature, chunk_rows(logits.shape[-1]),
+                                          with_entropy=False).logprobs
 
     def _decode(self, policy: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, n: int, sampling: SamplingConfig,
                 pad_id: int) -> tuple[Tensor, Tensor, Tensor, TokenStats | None]:

@@ -259,3 +259,30 @@ def test_a_copy_engine_generates_what_the_live_one_does_until_the_policy_changes
     torch.manual_seed(3)
     synced = own.generate(prompts, 4, sampling)
     assert torch.equal(synced.completion_ids, after.completion_ids)
+
+
+def test_the_engines_own_logprobs_are_its_decoding_stats_or_one_scoring_forward(policy):
+    """SamplingConfig.logprobs: float32 from the decoding loop; for a bf16 policy (no exact stats) one forward of the
+    engine's weights over the rollout, in their precision, at the sampling temperature."""
+    sampling = SamplingConfig(max_new_tokens=6, temperature=0.7, behaviour_stats=True, logprobs=True)
+    for model in (policy, copy.deepcopy(policy).to(torch.bfloat16)):
+        engine = HFEngine()
+        engine.sync(model, 0)
+        torch.manual_seed(11)
+        out = engine.generate(PROMPTS, 4, sampling)
+        sequences = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
+        mask = torch.cat([out.prompt_mask, torch.ones_like(out.completion_ids)], dim=1)
+        with torch.no_grad():
+            logits = model.eval()(input_ids=sequences, attention_mask=mask,
+                                  position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
+        model.train()
+        width = out.completion_ids.shape[1]
+        reference = torch.distributions.Categorical(logits=logits[:, -(width + 1) : -1] / 0.7).log_prob(out.completion_ids)
+        valid = torch.arange(width) < out.lengths[:, None]
+        if model is policy:
+            assert out.behaviour is not None and torch.equal(out.logprobs, out.behaviour.logprobs)
+            torch.testing.assert_close(out.logprobs[valid], reference[valid], atol=1e-5, rtol=0)
+        else:
+            assert out.behaviour is None  # bf16 logits: no exact decoding stats, so the engine scored the rollout
+            torch.testing.assert_close(out.logprobs[valid], reference[valid], atol=1e-4, rtol=0)
+    assert engine.generate(PROMPTS, 1, SamplingConfig(max_new_tokens=3, greedy=True, logprobs=True)).logprobs is None
