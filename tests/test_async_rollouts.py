@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 
 import pytest
 import torch
+from test_distributed_fit import distributed_worker, spawn_two
 from test_module import reverse_data, trainer
 
 from lightning_rlvr import RLVRModule
 from lightning_rlvr.callbacks import OPEFO, Intervention, SupervisedWarmStart
+from lightning_rlvr.loggers import InMemoryLogger
 from lightning_rlvr.rollout import HFEngine, ProcessEngine, SamplingConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -128,6 +131,33 @@ def test_lag_zero_with_a_copy_engine_trains_exactly_as_the_live_engine():
         states.append(module.policy.state_dict())
     for key in states[0]:
         assert torch.equal(states[0][key], states[1][key]), key
+
+
+@distributed_worker
+def lagged_ddp_worker(rank: int, port: int, out_dir: str) -> None:
+    torch.manual_seed(0)
+    check = GeneratingPolicyCheck()
+    logger = InMemoryLogger()
+    data = reverse_data(engine=HFEngine(weights="copy"), max_policy_lag=1, prompts_per_step=4)
+    module = RLVRModule(model="builtin:tiny", learning_rate=1e-2, engine_is_cap=CAP)
+    trainer(5, devices=2, strategy="ddp", use_distributed_sampler=False, logger=logger, callbacks=[check]).fit(
+        module, data)
+    torch.save({"seen": check.seen, "starts": check.start_versions, "history": logger.history,
+                "weights": {k: v.detach().clone() for k, v in module.policy.state_dict().items()}},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_under_ddp_every_rank_trains_on_its_own_previous_step_rollouts(tmp_path):
+    spawn_two(lagged_ddp_worker, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]  # our own files
+    for rank in ranks:
+        starts = rank["starts"]
+        assert [seen["version"] for seen in rank["seen"]] == [starts[0]] + starts[:-1]
+        assert all(seen["engine_error"] < 1e-4 for seen in rank["seen"])  # the generating snapshot's log-probs
+        assert [rank["history"]["rollout/policy_lag"][s] for s in range(5)] == [0.0] + [1.0] * 4
+    for key, value in ranks[0]["weights"].items():  # DDP kept the replicas equal through the lagged steps
+        assert torch.equal(value, ranks[1]["weights"][key]), key
 
 
 def test_what_a_lag_needs_is_checked_before_training():

@@ -29,7 +29,10 @@ thread, sharing the interpreter with training; a ``ProcessEngine`` decodes in it
 waits). The batch's ``engine_logprobs`` are the generating policy's log-probs and it carries no behaviour
 statistics, so the trainer's old policy is the current one and ``RLVRModule(engine_is_cap=...)`` importance-corrects
 the staleness. Anything else that uses the engine
-(validation, probes, a checkpoint) waits for the background generation first. One process only.
+(validation, probes, a checkpoint) waits for the background generation first. Under DDP each rank runs its own
+background generation on its own engine; the background does no collective (the reward-component names are united
+over ranks when the batch is built, in the training thread). A policy sharded across ranks (FSDP2, ZeRO-3) cannot be
+copied into an engine, so those strategies take no lag.
 
 Exact resume: :meth:`RolloutDataModule.state_dict` (in every checkpoint) records the epoch's shuffle seed, the
 prompts already trained, the refill sampler and the global RNG states — of every rank when there are several (the
@@ -190,6 +193,15 @@ class _Scored:
         if self.failed:
             return "error"
         return "correct" if self.score > 0.5 else "wrong"
+
+
+@dataclass
+class _Generated:
+    """A rollout's kept rows, the policy version that generated them and its statistics, not yet a batch."""
+
+    rows: list[_Scored]
+    version: int
+    stats: dict[str, float]
 
 
 @dataclass
@@ -396,9 +408,6 @@ class RolloutDataModule(pl.LightningDataModule):
                 raise ValueError(f"max_policy_lag=1 generates while the policy trains: the engine needs its own copy of "
                                  f"the weights, e.g. HFEngine(weights='copy') or ProcessEngine(); "
                                  f"{type(self.engine).__name__} generates with the live policy")
-            if self.trainer is not None and self.trainer.world_size > 1:
-                raise ValueError(f"max_policy_lag=1 runs on one process only for now (got {self.trainer.world_size} "
-                                 f"ranks): its background rollout must not run collectives beside the training step's")
         if self.tokenizer is None and self.trainer is not None:
             module = self.trainer.lightning_module
             tokenizer = getattr(module, "tokenizer", None)
@@ -527,7 +536,8 @@ class RolloutDataModule(pl.LightningDataModule):
             version = self._sync_policy()
             # The engine's behaviour stats replace the trainer's no-grad pass, if the trainer would run one.
             wants = getattr(self.trainer.lightning_module, "wants_behaviour_stats", None)
-            batch = self._generate_batch(problems, version, replace(self.sampling, behaviour_stats=bool(wants and wants())))
+            batch = self._batch(self._generate(problems, version,
+                                               replace(self.sampling, behaviour_stats=bool(wants and wants()))))
         batch.stats["perf/generate_wait_s"] = time.perf_counter() - start
         return batch
 
@@ -537,11 +547,12 @@ class RolloutDataModule(pl.LightningDataModule):
         step's generation started in the background with the weights as they are now, before this step's updates."""
         pending, self._prefetch = self._prefetch, None
         if pending is not None and pending.matches(problems):
-            batch = pending.future.result()  # re-raises what went wrong in the background
+            generated = pending.future.result()  # re-raises what went wrong in the background
         else:
             if pending is not None:
-                pending.future.result()  # prompts not foreseen (never expected): its batch is dropped
-            batch = self._background_generation(problems).result()
+                pending.future.result()  # prompts not foreseen (never expected): its rows are dropped
+            generated = self._background_generation(problems).result()
+        batch = self._generating_policy_batch(generated)
         upcoming = self._shuffle.upcoming(self.prompts_per_step) if self._shuffle is not None else None
         if upcoming is not None:  # else the epoch ends here: its successor's first step generates in the foreground
             dataset = self.source.train_problems()
@@ -560,12 +571,13 @@ class RolloutDataModule(pl.LightningDataModule):
         sampling = replace(self.sampling, behaviour_stats=True, logprobs=True)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        return self._executor.submit(self._generating_policy_batch, problems, version, sampling)
+        return self._executor.submit(self._generate, problems, version, sampling)
 
-    def _generating_policy_batch(self, problems: list[Problem], version: int, sampling: SamplingConfig) -> RolloutBatch:
-        """A batch whose ``engine_logprobs`` are the generating policy's log-probs (and no behaviour stats: the
-        trainer's old policy is the current one, and the gap between the two is importance-corrected)."""
-        batch = self._generate_batch(problems, version, sampling, collective=False)
+    def _generating_policy_batch(self, generated: _Generated) -> RolloutBatch:
+        """The batch of rows generated in the background (built here, in the training thread, where the reward-component
+        names may be united over ranks), whose ``engine_logprobs`` are the generating policy's log-probs and which
+        carries no behaviour stats: the trainer's old policy is the current one, and the gap is importance-corrected."""
+        batch = self._batch(generated)
         if batch.engine_logprobs is None:
             raise RuntimeError(f"max_policy_lag=1: {type(self.engine).__name__} returned no log-probs of the policy that "
                                f"generated the batch (SamplingConfig.logprobs asks for them)")
@@ -579,11 +591,9 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.max_policy_lag:
             self.engine.generator = None  # evaluations and probes draw from torch's global random stream, as at lag 0
 
-    def _generate_batch(self, problems: list[Problem], version: int, sampling: SamplingConfig,
-                        collective: bool = True) -> RolloutBatch:
-        """Generate, verify, refill (dynamic sampling) and batch ``problems`` with the engine's weights (``version``).
-        ``collective``: the reward-component names are united over ranks (the training rollout; not in the
-        background thread, which must not run collectives beside the training step's)."""
+    def _generate(self, problems: list[Problem], version: int, sampling: SamplingConfig) -> _Generated:
+        """Generate, verify and refill (dynamic sampling) ``problems`` with the engine's weights (``version``): the
+        kept rows and the rollout's statistics (no collective but the lockstep of sharded generation)."""
         kept: list[_Scored] = []
         all_rows: list[_Scored] = []
         errors, rounds, n_groups_seen, n_groups_kept = 0, 0, 0, 0
@@ -643,12 +653,8 @@ class RolloutDataModule(pl.LightningDataModule):
                     f"{rounds} rounds (max_generation_rounds); training on fewer prompts this step"
                 )
         self.engine.release()  # all rounds are generated: the update may have the memory
-        # Every rank logs the same reward/<name> metrics (the step's metrics are averaged over ranks in one
-        # all-reduce): a rank whose rows lack a component logs its mean 0. Only the training rollout is collective.
-        names = _component_names(kept)
-        batch = self._to_batch(kept, version, sorted(all_union(names) if collective else names))
         generated = len(all_rows)
-        batch.stats.update({
+        return _Generated(kept, version, {
             "reward/verifier_errors": float(errors),
             "rollout/zero_std_groups": first_round_zero_std,
             "rollout/generation_rounds": float(rounds),
@@ -656,6 +662,14 @@ class RolloutDataModule(pl.LightningDataModule):
             "rollout/truncated": sum(r.truncated for r in all_rows) / generated,
             "rollout/invalid": sum(r.invalid for r in all_rows) / generated,
         })
+
+    def _batch(self, generated: _Generated, collective: bool = True) -> RolloutBatch:
+        """The batch of generated rows. ``collective``: the reward-component names are united over ranks (every
+        rank logs the same reward/<name> metrics, averaged over ranks in one all-reduce; a rank whose rows lack a
+        component logs its mean 0). Only the training rollout is collective, and only in the training thread."""
+        names = _component_names(generated.rows)
+        batch = self._to_batch(generated.rows, generated.version, sorted(all_union(names) if collective else names))
+        batch.stats.update(generated.stats)
         return batch
 
     def _all_ranks_done(self, done: bool) -> bool:

@@ -277,7 +277,8 @@ def test_the_engines_own_logprobs_are_its_decoding_stats_or_one_scoring_forward(
                                   position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
         model.train()
         width = out.completion_ids.shape[1]
-        reference = torch.distributions.Categorical(logits=logits[:, -(width + 1) : -1] / 0.7).log_prob(out.completion_ids)
+        scores = logits[:, -(width + 1) : -1] / 0.7
+        reference = torch.distributions.Categorical(logits=scores).log_prob(out.completion_ids)
         valid = torch.arange(width) < out.lengths[:, None]
         if model is policy:
             assert out.behaviour is not None and torch.equal(out.logprobs, out.behaviour.logprobs)
