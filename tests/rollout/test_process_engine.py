@@ -150,3 +150,24 @@ def test_what_cannot_be_sent_is_refused_before_a_process_runs(policy):
         ProcessEngine(threads=0)
     with pytest.raises(ValueError, match="bucket_mb"):
         ProcessEngine(bucket_mb=0)
+
+
+def test_a_lora_policy_generates_in_the_process_with_its_adapter(policy):
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(policy, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, parameter in lora.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)  # an adapter that changes what is drawn (B starts at zero)
+    engine = ProcessEngine(device="cpu", threads=1)
+    try:
+        engine.sync(lora, 0)
+        got = engine.generate(PROMPTS, 2, SAMPLING)
+    finally:
+        engine.close()
+    mask = valid(got)
+    with_adapter = sampled_logprobs(lora, got)[mask]
+    torch.testing.assert_close(got.behaviour.logprobs[mask], with_adapter, atol=1e-5, rtol=0)
+    with lora.disable_adapter():
+        assert not torch.allclose(got.behaviour.logprobs[mask], sampled_logprobs(lora, got)[mask], atol=1e-3)
