@@ -56,9 +56,9 @@ class GeneratingPolicyCheck(Intervention):
         return None
 
 
-def lagged_fit(steps, callbacks, memory_logger=None, engine=None, **data_kwargs):
+def lagged_fit(steps, callbacks, memory_logger=None, engine=None, lag=1, **data_kwargs):
     engine = engine if engine is not None else HFEngine(weights="copy")
-    data = reverse_data(engine=engine, max_policy_lag=1, **data_kwargs)
+    data = reverse_data(engine=engine, max_policy_lag=lag, **data_kwargs)
     module = RLVRModule(model="builtin:tiny", learning_rate=1e-2, engine_is_cap=CAP, minibatch_size=None)
     fit = trainer(steps, callbacks=[SupervisedWarmStart(steps=100), *callbacks],
                   logger=memory_logger if memory_logger is not None else False)
@@ -66,25 +66,29 @@ def lagged_fit(steps, callbacks, memory_logger=None, engine=None, **data_kwargs)
     return fit, module, data
 
 
-@pytest.mark.parametrize("make_engine", [lambda: HFEngine(weights="copy"), lambda: ProcessEngine(threads=1)],
-                         ids=["thread", "process"])
-def test_every_batch_comes_from_this_or_the_previous_steps_policy_and_is_corrected(memory_logger, make_engine):
+@pytest.mark.parametrize(("make_engine", "lag"), [(lambda: HFEngine(weights="copy"), 1),
+                                                  (lambda: ProcessEngine(threads=1), 1),
+                                                  (lambda: HFEngine(weights="copy"), 2),
+                                                  (lambda: ProcessEngine(threads=1), 3)],
+                         ids=["thread-lag1", "process-lag1", "thread-lag2", "process-lag3"])
+def test_every_batch_comes_from_a_policy_at_most_lag_steps_old_and_is_corrected(memory_logger, make_engine, lag):
     torch.manual_seed(0)
     check = GeneratingPolicyCheck()
     engine = make_engine()
-    lagged_fit(8, [check], memory_logger, engine, dynamic_sampling=True, max_generation_rounds=2)
+    lagged_fit(8, [check], memory_logger, engine, lag, dynamic_sampling=True, max_generation_rounds=2)
     assert getattr(engine, "_process", None) is None  # the fit's end stopped a process engine
     starts = check.start_versions
     for step, seen in enumerate(check.seen):
-        allowed = starts[max(step - 1, 0) : step + 1]
+        allowed = starts[max(step - lag, 0) : step + 1]
         assert seen["version"] in allowed, (step, seen, starts)
         # The rollout's own log-probs are the generating policy's (its tokens scored by that snapshot)...
         assert seen["engine_error"] < 1e-4, (step, seen)
     assert max(memory_logger.history["rollout/generation_rounds"].values()) > 1  # refills ran in the background too
     lags = memory_logger.history["rollout/policy_lag"]
-    # step 0 has nothing generated ahead; every later step trains on a rollout generated one step earlier
-    assert [lags[s] for s in range(8)] == [0.0] + [1.0] * 7
-    assert all(check.seen[s]["version"] == starts[s - 1] for s in range(1, 8))
+    # step 0 generates in the foreground; at its end the next `lag` steps are queued with its weights, and from then
+    # on each step queues the one `lag` steps ahead: step s trains on the policy of step max(s - lag, 0)
+    assert [lags[s] for s in range(8)] == [float(min(s, lag)) for s in range(8)]
+    assert all(check.seen[s]["version"] == starts[max(s - lag, 0)] for s in range(8))
     # ...and the TIS share of capped tokens is the hand count of exp(log π_current − log π_generating) > C.
     clipped = memory_logger.history["policy/tis_clipfrac"]
     assert [clipped[s] for s in range(8)] == pytest.approx([seen["capped"] for seen in check.seen], abs=1e-6)
@@ -106,20 +110,21 @@ def test_a_bf16_policy_runs_at_lag_one_on_the_engines_own_logprobs():
         assert seen["engine_error"] < 1e-3, (step, seen)
 
 
-def test_a_resumed_run_trains_on_no_batch_older_than_one_step(tmp_path):
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_resumed_run_trains_on_no_batch_older_than_the_lag(tmp_path, lag):
     torch.manual_seed(0)
-    fit, _, _ = lagged_fit(4, [])
+    fit, _, _ = lagged_fit(4, [], lag=lag)
     fit.save_checkpoint(tmp_path / "step4.ckpt")
     check = GeneratingPolicyCheck()
-    data = reverse_data(engine=HFEngine(weights="copy"), max_policy_lag=1)
+    data = reverse_data(engine=HFEngine(weights="copy"), max_policy_lag=lag)
     module = RLVRModule(model="builtin:tiny", learning_rate=1e-2, engine_is_cap=CAP)
     resumed = trainer(8, callbacks=[SupervisedWarmStart(steps=100), check])
     resumed.fit(module, data, ckpt_path=tmp_path / "step4.ckpt")
     assert len(check.seen) == 4
-    # the generated-ahead batch died with the first process: the resumed run's first rollout is its own policy's
-    assert check.seen[0]["version"] == check.start_versions[0]
-    for step, seen in enumerate(check.seen[1:], start=1):
-        assert seen["version"] == check.start_versions[step - 1]
+    # what was generated ahead died with the first process: the resumed run's first rollout is its own policy's,
+    # and the queue starts again from there
+    for step, seen in enumerate(check.seen):
+        assert seen["version"] == check.start_versions[max(step - lag, 0)]
 
 
 def test_lag_zero_with_a_copy_engine_trains_exactly_as_the_live_engine():
@@ -161,8 +166,8 @@ def test_under_ddp_every_rank_trains_on_its_own_previous_step_rollouts(tmp_path)
 
 
 def test_what_a_lag_needs_is_checked_before_training():
-    with pytest.raises(ValueError, match="max_policy_lag must be 0"):
-        reverse_data(max_policy_lag=2)
+    with pytest.raises(ValueError, match="max_policy_lag must be an int >= 0"):
+        reverse_data(max_policy_lag=-1)
     with pytest.raises(ValueError, match="weights must be 'live' or 'copy'"):
         HFEngine(weights="shared")
     with warnings.catch_warnings():
