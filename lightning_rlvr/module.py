@@ -921,8 +921,8 @@ class RLVRModule(pl.LightningModule):
                                  f"engine_is_mode)")
             strict = [type(cb).__name__ for cb in self.interventions() if cb.needs.on_policy]
             if strict:
-                raise ValueError(f"{', '.join(strict)} assume(s) rollouts of the policy being trained (Needs.on_policy); "
-                                 f"they cannot run with max_policy_lag={lag}")
+                raise ValueError(f"{', '.join(strict)} assume(s) rollouts of the policy being trained "
+                                 f"(Needs.on_policy); they cannot run with max_policy_lag={lag}")
         sampling = getattr(self.trainer.datamodule, "sampling", None)
         truncated = sampling is not None and (sampling.top_p < 1 or sampling.top_k > 0)
         if self.hparams.engine_is_cap is not None and truncated:
