@@ -14,7 +14,7 @@ from test_module import reverse_data, trainer
 from lightning_rlvr import RLVRModule
 from lightning_rlvr.callbacks import OPEFO, Intervention, SupervisedWarmStart
 from lightning_rlvr.loggers import InMemoryLogger
-from lightning_rlvr.rollout import HFEngine, ProcessEngine, SamplingConfig
+from lightning_rlvr.rollout import HFEngine, ProcessEngine
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
