@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import time
 import tempfile
+import time
 from typing import Any, Literal
 
 import lightning.pytorch as pl

@@ -13,7 +13,7 @@ the closed form for zero net predicted flow, ``(1 + λ*)F₊ − (1 − λ*)F₋
 groups, clipped tokens) keep weight 1. The paper trains *strictly on-policy* — one optimizer step per rollout
 on the whole batch, so ``r = 1`` and the prediction is at the policy the step starts from; by default this
 callback refuses other schedules and rollouts generated ahead (``Needs.on_policy``: no
-``RolloutDataModule(max_policy_lag=1)``); ``strict_on_policy=False`` allows them: flows then use the current
+``RolloutDataModule(max_policy_lag > 0)``); ``strict_on_policy=False`` allows them: flows then use the current
 ratio and zero out clipped tokens, the §9.2 extension.
 
 Choices of ours, each an argument: ``flow="exact"`` uses E3; ``"onlyza"`` the sampled-logit-only estimate
