@@ -56,10 +56,10 @@ class GeneratingPolicyCheck(Intervention):
         return None
 
 
-def lagged_fit(steps, callbacks, memory_logger=None, engine=None, lag=1, **data_kwargs):
+def lagged_fit(steps, callbacks, memory_logger=None, engine=None, lag=1, model="builtin:tiny", **data_kwargs):
     engine = engine if engine is not None else HFEngine(weights="copy")
     data = reverse_data(engine=engine, max_policy_lag=lag, **data_kwargs)
-    module = RLVRModule(model="builtin:tiny", learning_rate=1e-2, engine_is_cap=CAP, minibatch_size=None)
+    module = RLVRModule(model=model, learning_rate=1e-2, engine_is_cap=CAP, minibatch_size=None)
     fit = trainer(steps, callbacks=[SupervisedWarmStart(steps=100), *callbacks],
                   logger=memory_logger if memory_logger is not None else False)
     fit.fit(module, data)

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # study.yaml is a study of fit configs, not one (tests/test_study.py checks it)
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.name != "study.yaml")
 GPU_CONFIGS = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
+SERVER_CONFIG = ROOT / "configs" / "gpu" / "grpo_math_vllm_server.yaml"  # vllm serve, not a colocated vLLM
 
 
 def test_there_are_configs_to_check():
@@ -172,7 +173,7 @@ def gsm8k_like_dataset(directory: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("config", [c for c in GPU_CONFIGS if c != SERVER_CONFIG], ids=lambda p: p.name)
 def test_gpu_vllm_configs_train_on_the_chat_model_with_the_vllm_stand_in(config, tiny_chat_dir, tmp_path,
                                                                           monkeypatch):
     """Everything but the hardware: the shipped config as it is — an instruct checkpoint with two stop ids through its
@@ -200,6 +201,38 @@ def test_gpu_vllm_configs_train_on_the_chat_model_with_the_vllm_stand_in(config,
     history = cli.trainer.logger.history
     assert "val/accuracy" in history and len(history["reward/mean"]) == 2
     # bf16 policy, float32 stand-in: the engine's log-probs differ from the trainer's by bf16 rounding only
+    assert all(abs(kl) < 0.05 for kl in history["rollout/engine_kl"].values()), dict(history["rollout/engine_kl"])
+
+
+@pytest.mark.slow
+def test_the_vllm_server_config_trains_one_step_behind_the_server_stand_in(tiny_chat_dir, tmp_path, monkeypatch):
+    """configs/gpu/grpo_math_vllm_server.yaml as shipped (bf16, chat template, dynamic sampling, lag 1), against the
+    ``vllm serve`` stand-in over HTTP (its weight-transfer group over gloo), at CPU sizes."""
+    from tests.fake_vllm_server import FakeVLLMServer
+
+    monkeypatch.chdir(tmp_path)
+    gsm8k_like_dataset(tmp_path / "data" / "gsm8k")
+    with FakeVLLMServer(tiny_chat_dir) as server:
+        cli = build_cli([
+            "fit", "--config", str(SERVER_CONFIG),
+            "--trainer.accelerator", "cpu", "--trainer.max_steps", "6",  # 3 rollout steps x 2 minibatches
+            "--trainer.logger", "lightning_rlvr.loggers.InMemoryLogger", "--trainer.enable_progress_bar", "false",
+            "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path),
+            "--model.model", tiny_chat_dir, "--model.minibatch_size", "8", "--model.micro_batch_size", "4",
+            "--data.prompts_per_step", "4", "--data.group_size", "4", "--data.max_new_tokens", "12",
+            "--data.val_max_prompts", "2", "--data.val_batch_size", "2", "--data.verifier_workers", "1",
+            "--data.engine.init_args.base_url", server.url,
+            "--data.engine.init_args.transport_factory", "tests.fake_vllm_server.GlooWeightTransport",
+        ])
+        updates = [path for _, path in server.calls].count("/update_weights")
+        request = server.requests[-1]
+    assert cli.trainer.global_step == 6
+    history = cli.trainer.logger.history
+    assert [history["rollout/policy_lag"][s] for s in sorted(history["rollout/policy_lag"])] == [0.0, 1.0, 1.0]
+    assert updates >= 3  # the pushes of the versions generated with
+    assert request["stop_token_ids"] == [512, 514] and request["return_token_ids"] is True
+    assert "val/accuracy" in history
+    # bf16 policy, float32 server: its log-probs differ from the trainer's by bf16 rounding and the one-step lag
     assert all(abs(kl) < 0.05 for kl in history["rollout/engine_kl"].values()), dict(history["rollout/engine_kl"])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["gpu_check_strategies.py", "gpu_smoke_vllm.py"])
+@pytest.mark.parametrize("script", ["gpu_check_strategies.py", "gpu_smoke_vllm.py", "gpu_smoke_vllm_server.py"])
 def test_gpu_script_prints_its_usage(script):
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
@@ -33,6 +34,17 @@ def test_the_vllm_smoke_script_runs_end_to_end_on_the_stand_in(tmp_path):
         f"sys.argv = ['gpu_smoke_vllm.py', '--chat', '--device', 'cpu']\n"
         f"runpy.run_path({str(ROOT / 'scripts' / 'gpu_smoke_vllm.py')!r}, run_name='__main__')\n")
     done = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert len(lines) == 7 and all(line.startswith("PASS") for line in lines), lines  # checks 1-4 and the verdict
+
+
+@pytest.mark.slow
+def test_the_vllm_server_smoke_script_runs_end_to_end_on_the_stand_in(tmp_path):
+    """The GPU script's logic, dry-run on the CPU against the `vllm serve` stand-in, its weights over gloo."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_smoke_vllm_server.py"), "--chat", "--stand-in"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert len(lines) == 7 and all(line.startswith("PASS") for line in lines), lines  # checks 1-4 and the verdict

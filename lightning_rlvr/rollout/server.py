@@ -1,0 +1,478 @@
+"""vLLM's own server as the rollout engine: ``vllm serve`` on other GPUs or machines, spoken to over HTTP, its weights
+replaced by version through vLLM's native weight-transfer API.
+
+Generation is one ``POST /v1/completions`` per call, token ids in and out (``prompt`` a list of id lists, ``n``,
+``return_token_ids``, ``logprobs: 0``), every sampling field sent explicitly: a field left out takes the checkpoint's
+``generation_config.json`` default on the server, not the trainer's value. Choice ``i`` is sample ``i mod n`` of
+prompt ``i // n``; its ``token_ids`` end with the EOS or stop id it stopped on (``finish_reason == "stop"``), and its
+log-probs (``logprobs.token_logprobs``) are vLLM's own, of the distribution sampled from when the server runs with
+``--logprobs-mode processed_logprobs``.
+
+A weight sync (``sync(policy, version)`` when the version moved) is vLLM's update over HTTP (vLLM >= 0.21), the
+tensors travelling over a collective group the trainer (rank 0) shares with the server's workers (ranks ``1..W``)::
+
+    POST /pause?mode=keep → POST /start_weight_update → POST /update_weights (its reply waits for the tensors, which the
+    trainer broadcasts meanwhile) → POST /finish_weight_update → POST /resume
+
+Pausing also clears the server's prefix cache (its KV blocks were computed with the old weights). The group is set up
+at the first sync: ``GET /get_world_size`` gives ``W``, then ``POST /init_weight_transfer_engine`` and the trainer's
+side of the rendezvous run together. The tensors go *packed*: in the announced order, each tensor's bytes appended
+to a ``uint8`` buffer that is broadcast once its running size exceeds ``bucket_mb`` (:func:`packed_chunks`), the
+layout vLLM's receiver unpacks; the packing parameters go in ``update_info`` up to vLLM 0.27 and in ``init_info``
+from 0.28 (read from the server's ``GET /version``). The transport is NCCL through vLLM's own
+``StatelessProcessGroup`` and ``PyNcclCommunicator`` (:class:`NCCLWeightTransport`; the trainer needs vLLM installed,
+the server's version, and a CUDA device), or any :class:`WeightTransport` (the tests use gloo against a server
+stand-in).
+
+Start the server as::
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve /models/Qwen2.5-0.5B-Instruct --port 8000 \\
+        --weight-transfer-config '{"backend": "nccl"}' --logprobs-mode processed_logprobs
+
+(``VLLM_SERVER_DEV_MODE`` mounts the weight-transfer routes.)
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.parse
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_rlvr.lora import is_lora, merged_weights
+from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
+from lightning_rlvr.sharding import full_weights, is_sharded
+
+__all__ = ["NCCLWeightTransport", "VLLMServerEngine", "WeightTransport", "packed_chunks", "packing_info"]
+
+_SERVER_HELP = ("start it with VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config "
+                "'{\"backend\": \"nccl\"}' --logprobs-mode processed_logprobs")
+
+
+def packed_chunks(nbytes: list[int], buffer_bytes: int) -> list[list[int]]:
+    """The indices of the tensors each packed broadcast carries, as vLLM's receiver groups them.
+
+    Tensors are taken in order and appended to the current chunk; the chunk is sent as soon as its running size
+    *exceeds* ``buffer_bytes`` (the tensor that crosses the limit travels in it), and what is left forms a last chunk.
+
+    Example::
+
+        >>> packed_chunks([4, 4, 4, 10, 1], buffer_bytes=7)
+        [[0, 1], [2, 3], [4]]
+    """
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for index, count in enumerate(nbytes):
+        current.append(index)
+        size += count
+        if size > buffer_bytes:
+            chunks.append(current)
+            current, size = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class WeightTransport(ABC):
+    """The data plane of a weight sync: a collective group in which the trainer is rank 0 and broadcasts ``uint8``
+    buffers to the server's workers (ranks ``1..world_size-1``).
+
+    Attributes:
+        library_version: the version of the vLLM whose classes the transport uses (``None``: none), checked against
+            the server's.
+    """
+
+    library_version: str | None = None
+
+    @abstractmethod
+    def connect(self, master_address: str, master_port: int, world_size: int) -> None:
+        """Join the group as rank 0 (blocks until every worker has joined; the store is served from here)."""
+
+    @abstractmethod
+    def broadcast(self, buffer: Tensor) -> None:
+        """Send ``buffer`` (``uint8``, 1-D) from rank 0 to every worker; returns once it is sent."""
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the buffers are staged."""
+
+    def close(self) -> None:
+        """Leave the group."""
+
+
+class NCCLWeightTransport(WeightTransport):
+    """vLLM's NCCL transport on the trainer's side: ``StatelessProcessGroup`` + ``PyNcclCommunicator``, the classes
+    vLLM's own workers receive with (rank 0 serves the group's store at ``master_address:master_port``), on the
+    current CUDA device. Broadcasts are enqueued on the current stream; the server's ``/update_weights`` reply
+    says they arrived.
+    """
+
+    def __init__(self) -> None:
+        self.communicator: Any = None
+        try:
+            import vllm
+
+            self.library_version = vllm.__version__
+        except ImportError:
+            self.library_version = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def connect(self, master_address: str, master_port: int, world_size: int) -> None:
+        try:
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+            from vllm.distributed.utils import StatelessProcessGroup
+        except ImportError as err:
+            raise ImportError("VLLMServerEngine's NCCL weight transport needs vLLM on the trainer (the server's "
+                              "version) and a CUDA device: pip install 'lightning_rlvr[vllm]'") from err
+        group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=0, world_size=world_size)
+        self.communicator = PyNcclCommunicator(group, device=self.device)
+
+    def broadcast(self, buffer: Tensor) -> None:
+        self.communicator.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
+
+    def close(self) -> None:
+        self.communicator = None
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"0.28.1.dev3+g1234"`` → ``(0, 28, 1)``."""
+    parts = []
+    for part in text.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def packing_info(server_version: str, buffer_bytes: int) -> tuple[dict, dict]:
+    """``(init_info extras, update_info extras)`` announcing a packed update to a vLLM server of ``server_version``:
+    in ``update_info`` up to 0.27, in ``init_info`` from 0.28 (vLLM parses both with ``cls(**info)``, so a key in
+    the wrong one fails the update)."""
+    packing = {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": 2}
+    return (packing, {}) if _version(server_version) >= (0, 28) else ({}, packing)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _address_towards(url: str) -> str:
+    """This machine's address on the route to ``url``'s host (where the server's workers reach the trainer)."""
+    host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, 9))  # a UDP "connect" sends nothing: it only picks the outgoing interface
+        return probe.getsockname()[0]
+
+
+def _rank() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class VLLMServerEngine(RolloutEngine):
+    """A running ``vllm serve`` as the rollout engine (module docstring): generation over its OpenAI-compatible HTTP
+    API, weight updates through its native weight-transfer API.
+
+    The server must serve the policy's architecture and tokenizer; its weights are replaced at the first sync. Each
+    trainer rank needs a server of its own (``base_url`` a list, one URL per rank): a sync is one trainer pushing
+    to one server, with no collective between ranks. The server samples with its own random state: a run is not
+    reproducible from the trainer's seed (``GenerationOutput.logprobs`` are the server's; behaviour statistics are
+    computed by the trainer). Policies sharded across ranks (FSDP2, ZeRO-3) are refused; a LoRA policy is sent
+    merged (``W + scale·B·A``) under its base model's names.
+
+    Args:
+        base_url: the server's address (``http://host:port``), or one per trainer rank.
+        model: the served model's name (``None``: the server's only model).
+        bucket_mb: the size a packed broadcast buffer exceeds before it is sent (vLLM's default is 1024).
+        master_address: the trainer's address as the server's workers reach it (``None``: this machine's address on
+            the route to the server).
+        request_timeout_s: how long a generation request or a weight update may take.
+        transport_factory: builds the :class:`WeightTransport` (default :class:`NCCLWeightTransport`).
+    """
+
+    holds_own_weights = True  # the server's copy changes only at a sync
+
+    def __init__(self, base_url: str | list[str] = "http://127.0.0.1:8000", model: str | None = None,
+                 bucket_mb: float = 1024.0, master_address: str | None = None, request_timeout_s: float = 600.0,
+                 transport_factory: Callable[[], WeightTransport] | None = None) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls or any(urllib.parse.urlsplit(u).scheme not in ("http", "https") for u in urls):
+            raise ValueError(f"VLLMServerEngine: base_url must be http(s)://host:port (or a list of them), got "
+                             f"{base_url!r}")
+        if bucket_mb <= 0 or request_timeout_s <= 0:
+            raise ValueError(f"VLLMServerEngine: bucket_mb and request_timeout_s must be > 0, got {bucket_mb}, "
+                             f"{request_timeout_s}")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.model = model
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.master_address = master_address
+        self.timeout = request_timeout_s
+        self.transport_factory = transport_factory or NCCLWeightTransport
+        self.version = -1  # the policy version the server holds (-1: its checkpoint's own weights)
+        #: set by the DataModule for background rollouts; unused: the server samples with its own random state
+        self.generator: torch.Generator | None = None
+        self.url: str | None = None
+        self.served_model: str | None = None
+        self.server_version: str | None = None
+        self.max_model_len: int | None = None
+        self.policy: nn.Module | None = None
+        self._session: Any = None
+        self._transport: WeightTransport | None = None
+
+    # -- HTTP -------------------------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        """The JSON reply of ``method path``; an HTTP error raises with the server's own message."""
+        import requests
+
+        if self._session is None:
+            self._session = requests.Session()
+        try:
+            reply = self._session.request(method, self.url + path, json=body, timeout=timeout or self.timeout)
+        except requests.ConnectionError as err:
+            raise RuntimeError(f"VLLMServerEngine: no vLLM server answers at {self.url} ({path}); "
+                               f"{_SERVER_HELP}") from err
+        if reply.status_code == 404 and path.split("?")[0] != "/v1/completions":
+            raise RuntimeError(f"VLLMServerEngine: {self.url} has no {method} {path.split('?')[0]} (404): the "
+                               f"weight-transfer routes need a vLLM >= 0.22 server in dev mode; {_SERVER_HELP}")
+        if reply.status_code != 200:
+            try:
+                error = reply.json().get("error", reply.json())
+                message = error.get("message", error) if isinstance(error, dict) else error
+            except ValueError:
+                message = reply.text
+            raise RuntimeError(f"VLLMServerEngine: {method} {self.url}{path} failed with HTTP {reply.status_code}: "
+                               f"{message}")
+        return reply.json() if reply.content else None
+
+    # -- lifecycle --------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        rank, world = _rank()
+        if len(self.urls) == 1 and world > 1:
+            raise ValueError(f"VLLMServerEngine: {world} trainer ranks need a server each (base_url: a list of "
+                             f"{world} URLs); one server cannot take weight pushes from several trainers")
+        if len(self.urls) > 1 and len(self.urls) != world:
+            raise ValueError(f"VLLMServerEngine: {len(self.urls)} base URLs for {world} trainer ranks (one each)")
+        self.url = self.urls[rank]
+        self.server_version = str(self._request("GET", "/version")["version"])
+        models = self._request("GET", "/v1/models")["data"]
+        names = [m["id"] for m in models]
+        if self.model is None and len(models) != 1:
+            raise ValueError(f"VLLMServerEngine: {self.url} serves {names}; name one with model=...")
+        if self.model is not None and self.model not in names:
+            raise ValueError(f"VLLMServerEngine: {self.url} serves {names}, not {self.model!r}")
+        card = models[0] if self.model is None else models[names.index(self.model)]
+        self.served_model = card["id"]
+        self.max_model_len = card.get("max_model_len")
+        # the longest prompt that leaves room for one generated token (generate checks the real limit)
+        self.max_prompt_tokens = None if self.max_model_len is None else self.max_model_len - 1
+
+    def _connect(self) -> None:
+        """Set up the weight-transfer group: the server's ``init_weight_transfer_engine`` and the trainer's side of
+        the rendezvous, at the same time (each waits for the other)."""
+        if _version(self.server_version) < (0, 21):
+            raise RuntimeError(f"VLLMServerEngine: the server at {self.url} runs vLLM {self.server_version}; weight "
+                               f"updates need vLLM >= 0.21 (start_weight_update / finish_weight_update)")
+        workers = int(self._request("GET", "/get_world_size")["world_size"])
+        transport = self.transport_factory()
+        if transport.library_version is not None and transport.library_version != self.server_version:
+            warnings.warn(f"VLLMServerEngine: the trainer's vLLM is {transport.library_version}, the server's "
+                          f"{self.server_version}: their weight-transfer handshakes may not match", stacklevel=2)
+        address = self.master_address or _address_towards(self.url)
+        port = _free_port(address)
+        init_extra, _ = packing_info(self.server_version, self.bucket_bytes)
+        init_info = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": workers + 1,
+                     **init_extra}
+        reply = self._in_background("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+        transport.connect(address, port, workers + 1)  # a failure leaves the request to time out on its own
+        reply.join()
+        self._transport = transport
+
+    def _in_background(self, method: str, path: str, body: dict) -> _Reply:
+        reply = _Reply(self, method, path, body)
+        reply.start()
+        return reply
+
+    def close(self) -> None:
+        """Forget which version the server holds (the next fit pushes the weights again); the server keeps running
+        and the weight-transfer group stays open for that push."""
+        self.version = -1
+
+    # -- the engine interface ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync(self, policy: nn.Module, version: int) -> None:
+        """Push ``policy``'s weights into the server if ``version`` is not the one it holds (module docstring)."""
+        if is_sharded(policy):
+            raise ValueError("VLLMServerEngine cannot push a policy sharded across ranks (FSDP2, ZeRO-3)")
+        if self.url is None:
+            self._start()
+        self.policy = policy
+        if version == self.version:
+            return
+        if self._transport is None:
+            self._connect()
+        weights = self._weights(policy)
+        metadata = [(name, tensor.shape, tensor.dtype) for bucket in weights() for name, tensor in bucket]
+        self._check_alignment(metadata)
+        _, update_extra = packing_info(self.server_version, self.bucket_bytes)
+        update_info = {"names": [name for name, _, _ in metadata], "shapes": [list(shape) for _, shape, _ in metadata],
+                       "dtype_names": [str(dtype).removeprefix("torch.") for _, _, dtype in metadata], **update_extra}
+        self._request("POST", "/pause?mode=keep")  # new requests wait; running ones are kept; caches are cleared
+        self._request("POST", "/start_weight_update", {"is_checkpoint_format": True})
+        reply = self._in_background("POST", "/update_weights", {"update_info": update_info})
+        try:
+            self._broadcast(weights(), reply)
+            reply.join()
+        except BaseException:
+            # the server holds part of an update and the group may be mid-collective: both must start afresh
+            self._transport, self.version = None, -1
+            raise
+        self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
+        self._request("POST", "/resume")
+        self.version = version
+
+    def _check_alignment(self, metadata: list[tuple[str, torch.Size, torch.dtype]]) -> None:
+        """vLLM's receiver views each tensor's bytes in place (no padding between tensors), which needs every tensor
+        to start at a multiple of its element size: refuse a dtype mix that breaks this rather than fail mid-update."""
+        sizes = [shape.numel() * dtype.itemsize for _, shape, dtype in metadata]
+        for chunk in packed_chunks(sizes, self.bucket_bytes):
+            offset = 0
+            for index in chunk:
+                name, _, dtype = metadata[index]
+                if offset % dtype.itemsize:
+                    raise ValueError(f"VLLMServerEngine: {name} ({dtype}) would start at byte {offset} of a packed "
+                                     f"buffer, not a multiple of its element size, which vLLM cannot view; give the "
+                                     f"policy one dtype (e.g. precision='bf16-true')")
+                offset += sizes[index]
+
+    def _weights(self, policy: nn.Module) -> Callable[[], Iterator[list[tuple[str, Tensor]]]]:
+        """The policy's tensors under their checkpoint names, in buckets (a LoRA policy merged)."""
+        if is_lora(policy):
+            return lambda: merged_weights(policy, self.bucket_bytes)
+        return lambda: ([(name.replace("_orig_mod.", ""), t) for name, t in bucket]
+                        for bucket in full_weights(policy, self.bucket_bytes))
+
+    def _broadcast(self, buckets: Iterator[list[tuple[str, Tensor]]], reply: _Reply) -> None:
+        """Stream the tensors into packed buffers and broadcast each when it exceeds the limit (:func:`packed_chunks`:
+        the same rule, applied as the tensors come). A server that answered already (it refused the update) is not
+        sent the rest."""
+        device = self._transport.device
+        pieces: list[Tensor] = []
+        size = 0
+
+        def send() -> None:
+            if not reply.is_alive():
+                reply.join()  # raises the server's refusal
+                raise RuntimeError("VLLMServerEngine: the server ended the weight update before receiving every tensor")
+            self._transport.broadcast(torch.cat(pieces))
+
+        for bucket in buckets:
+            for _, tensor in bucket:
+                pieces.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8).to(device))
+                size += pieces[-1].numel()
+                if size > self.bucket_bytes:
+                    send()
+                    pieces, size = [], 0
+        if pieces:
+            send()
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> GenerationOutput:
+        if self.url is None or self.policy is None:
+            raise RuntimeError("VLLMServerEngine.generate called before sync(policy)")
+        longest = max(len(p) for p in prompts)
+        if self.max_model_len is not None and longest + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(f"VLLMServerEngine: a prompt of {longest} tokens plus max_new_tokens="
+                             f"{sampling.max_new_tokens} exceeds the server's max_model_len={self.max_model_len} "
+                             f"(vLLM refuses the whole request)")
+        stop_ids = self.stop_ids(self.policy, sampling)
+        if sampling.greedy and n > 1:  # vLLM refuses n > 1 when greedy: each copy is a prompt (rows stay grouped)
+            prompts, n = [p for p in prompts for _ in range(n)], 1
+        body = {
+            "model": self.served_model, "prompt": [list(map(int, p)) for p in prompts], "n": n,
+            "max_tokens": sampling.max_new_tokens, "stop_token_ids": list(stop_ids), "logprobs": 0,
+            "return_token_ids": True, "min_tokens": 0, "ignore_eos": False, "skip_special_tokens": False,
+            # every sampling field explicitly: one left out takes the checkpoint's generation_config.json default
+            "temperature": 0.0 if sampling.greedy else sampling.temperature,
+            "top_p": 1.0 if sampling.greedy else sampling.top_p, "top_k": 0 if sampling.greedy else sampling.top_k,
+            "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        }
+        reply = self._request("POST", "/v1/completions", body)
+        return self._to_output(prompts, reply.get("choices") or [], n, stop_ids)
+
+    def _to_output(self, prompts: list[list[int]], choices: list[dict], n: int,
+                   stop_ids: tuple[int, ...]) -> GenerationOutput:
+        if len(choices) != len(prompts) * n:
+            raise RuntimeError(f"VLLMServerEngine: the server returned {len(choices)} choices for {len(prompts)} "
+                               f"prompts × n={n}")
+        choices = sorted(choices, key=lambda c: c["index"])
+        if [c["index"] for c in choices] != list(range(len(choices))):
+            raise RuntimeError(f"VLLMServerEngine: choice indices {[c['index'] for c in choices]} are not 0..N-1")
+        rows, logprobs, stopped = [], [], []
+        for choice in choices:
+            tokens = choice.get("token_ids")
+            if tokens is None:
+                raise RuntimeError("VLLMServerEngine: the server returned no token_ids (return_token_ids needs "
+                                   "vLLM >= 0.10.2)")
+            reason = choice.get("finish_reason")
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"VLLMServerEngine: the server finished a completion with reason {reason!r}")
+            ended = reason == "stop"
+            if ended and (not tokens or tokens[-1] not in stop_ids or isinstance(choice.get("stop_reason"), str)):
+                raise RuntimeError(
+                    f"VLLMServerEngine: the server stopped a completion on token {tokens[-1:] or 'none'} "
+                    f"(stop_reason {choice.get('stop_reason')!r}), not one of the stop ids {list(stop_ids)}: the "
+                    f"served checkpoint stops on ids the policy's does not; add them to "
+                    f"RolloutDataModule(stop_token_ids=...)")
+            values = (choice.get("logprobs") or {}).get("token_logprobs")
+            if values is None or len(values) != len(tokens) or any(v is None for v in values):
+                raise RuntimeError(f"VLLMServerEngine: the server returned {values if values is None else len(values)} "
+                                   f"log-probs for {len(tokens)} tokens (logprobs=0 asks for one per token)")
+            rows.append(tokens)
+            logprobs.append(values)
+            stopped.append(ended)
+        config = self.policy.generation_config
+        pad_id = config.pad_token_id if config.pad_token_id is not None else stop_ids[0]
+        width = max(1, max(len(r) for r in rows))
+        completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        completion_logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (tokens, values) in enumerate(zip(rows, logprobs)):
+            completion_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            completion_logprobs[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        prompt_ids, prompt_mask = self.left_pad(prompts, pad_id)
+        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0),
+                                completion_ids, lengths=torch.tensor([len(r) for r in rows]),
+                                stopped=torch.tensor(stopped), logprobs=completion_logprobs)
+
+
+class _Reply(threading.Thread):
+    """An HTTP request in a thread (its reply waits on the trainer's side of a collective); ``join`` re-raises."""
+
+    def __init__(self, engine: VLLMServerEngine, method: str, path: str, body: dict) -> None:
+        super().__init__(daemon=True, name=f"vllm-server{path}")
+        self.engine, self.method, self.path, self.body = engine, method, path, body
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.engine._request(self.method, self.path, self.body)
+        except BaseException as err:  # noqa: BLE001 - handed to the joining thread
+            self.error = err
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,198 @@
+"""GPU smoke test of VLLMServerEngine against a real ``vllm serve`` (vLLM >= 0.21; two GPUs for the weight checks).
+
+    python scripts/gpu_smoke_vllm_server.py              # the built-in tiny model, built offline; starts the server
+    python scripts/gpu_smoke_vllm_server.py --chat       # builtin:tiny-chat (byte-level BPE, two stop ids)
+    python scripts/gpu_smoke_vllm_server.py --model /path/to/Qwen2.5-0.5B-Instruct
+
+The script starts ``VLLM_SERVER_DEV_MODE=1 vllm serve`` on the last GPU (``--weight-transfer-config
+'{"backend": "nccl"}' --logprobs-mode processed_logprobs``, float32) and trains on GPU 0; ``--url`` uses a server
+already running instead. Each check prints PASS or FAIL; the exit code is 1 if any failed. These are the checks a
+CPU stand-in cannot make (tests/fake_vllm_server.py enforces the protocol; only a real server has vLLM's kernels,
+its NCCL handshake and its ``load_weights``):
+
+1. Generation over HTTP: greedy completions of the served checkpoint equal Hugging Face ``generate`` (float32 on both
+   sides), with the server's stop ids; one GPU suffices (the server and the reference share it).
+2. (Two GPUs: NCCL cannot put the trainer and a server worker on one device.) The NCCL weight push: after a few
+   supervised steps toward another answer, a sync changes the server's greedy completions, and they equal
+   ``generate`` of the trained policy.
+3. Sampled at temperature 1.0 and 0.7, the server's processed log-probs equal the trainer's ``log_softmax(logits /
+   T)`` of the same tokens (mean gap < 1e-2).
+4. A 3-step fit at ``max_policy_lag=1``: the policy lag is 0, 1, 1 and ``rollout/engine_kl`` is near 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_rlvr.models import TinyModelConfig, build_tiny_chat_model, build_tiny_model  # noqa: E402
+from lightning_rlvr.ops import token_logprobs_and_entropy  # noqa: E402
+from lightning_rlvr.rollout import HFEngine, SamplingConfig, VLLMServerEngine  # noqa: E402
+from lightning_rlvr.rollout.stops import resolve_stop_token_ids  # noqa: E402
+
+
+def completions(output) -> list[list[int]]:
+    return [ids[:length] for ids, length in zip(output.completion_ids.tolist(), output.lengths.tolist())]
+
+
+def logprob_gap(policy, sampled, temperature: float, device: str) -> float:
+    """Mean |log p_trainer − log p_server| over the sampled tokens, the trainer's at ``temperature``."""
+    ids = torch.cat([sampled.prompt_ids, sampled.completion_ids], 1).to(device)
+    width = sampled.completion_ids.shape[1]
+    valid = torch.arange(width)[None, :] < sampled.lengths[:, None]
+    mask = torch.cat([sampled.prompt_mask, valid.long()], 1).to(device)
+    with torch.no_grad():
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        logits = policy(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logits = logits[:, sampled.prompt_ids.shape[1] - 1 : -1]
+        trainer = token_logprobs_and_entropy(logits, sampled.completion_ids.to(device), temperature,
+                                             1024).logprobs.cpu()
+    return (trainer - sampled.logprobs)[valid].abs().mean().item()
+
+
+def checkpoint(args) -> str:
+    if args.model:
+        return args.model
+    if args.chat:
+        return build_tiny_chat_model(tempfile.mkdtemp())
+    return build_tiny_model(tempfile.mkdtemp(), TinyModelConfig(hidden_size=256, num_hidden_layers=4,
+                                                                intermediate_size=512))
+
+
+@contextlib.contextmanager
+def vllm_server(path: str, gpu: int, port: int = 8765):
+    """``vllm serve path`` on GPU ``gpu`` in dev mode with the NCCL weight transfer, until the block ends."""
+    import requests
+
+    command = ["vllm", "serve", path, "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+               "--gpu-memory-utilization", "0.3", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+               "--weight-transfer-config", '{"backend": "nccl"}']
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": str(gpu)}
+    server = subprocess.Popen(command, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve did not come up (exit code {server.poll()})")
+            time.sleep(2)
+        yield url
+    finally:
+        server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=60)
+        if server.poll() is None:
+            server.kill()
+
+
+def run_checks(path: str, url: str, device: str, push_weights: bool, engine_kwargs: dict) -> list[str]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if policy.generation_config.pad_token_id is None:
+        policy.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    prompts = [tokenizer(text).input_ids for text in ("12+30=", "7+8=", "40+9=", "3+3=")]
+    stop_ids = resolve_stop_token_ids(tokenizer, policy.generation_config)
+    greedy = SamplingConfig(max_new_tokens=6, greedy=True, stop_token_ids=stop_ids)
+    engine = VLLMServerEngine(url, **engine_kwargs)
+    reference = HFEngine()
+    reference.sync(policy, 0)
+    failures: list[str] = []
+
+    def check(name: str, ok: bool, detail: str = "") -> None:
+        print(("PASS " if ok else "FAIL ") + name + (f" ({detail})" if detail else ""), flush=True)
+        if not ok:
+            failures.append(name)
+
+    # 1: the served checkpoint as it is (no push): the HTTP generation path alone
+    engine._start()
+    engine.policy = policy
+    served = completions(engine.generate(prompts, 1, greedy))
+    check("1 greedy over HTTP equals generate", served == completions(reference.generate(prompts, 1, greedy)),
+          f"{served}")
+    if not push_weights:
+        print("SKIP 2-4 the weight push (one GPU: NCCL cannot put the trainer and the server on one device)")
+        return failures
+
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    target = tokenizer("99", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    for _ in range(30):  # teach the first prompt the answer "99": the greedy completions change
+        ids = torch.tensor([p + target for p in prompts[:1]] * 4, device=device)
+        logits = policy(input_ids=ids).logits[:, len(prompts[0]) - 1 : -1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.tensor(target * 4, device=device))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    start = time.perf_counter()
+    engine.sync(policy, 1)
+    seconds = time.perf_counter() - start
+    after = completions(engine.generate(prompts, 1, greedy))
+    check("2a the push reached the server", after != served, f"before {served}, after {after}; sync {seconds:.2f} s")
+    check("2b greedy equals generate after the push", after == completions(reference.generate(prompts, 1, greedy)))
+    for temperature in (1.0, 0.7):
+        sampled = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=6, temperature=temperature,
+                                                             stop_token_ids=stop_ids))
+        gap = logprob_gap(policy, sampled, temperature, device)
+        check(f"3 processed log-probs at T={temperature} equal the trainer's", gap < 1e-2, f"mean gap {gap:.2e}")
+    lagged_fit(path, url, device, engine_kwargs, check)
+    return failures
+
+
+def lagged_fit(path: str, url: str, device: str, engine_kwargs: dict, check) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
+    from lightning_rlvr.loggers import InMemoryLogger
+
+    data = RolloutDataModule(source=BuiltinTask("addition", warm_start_fraction=0.0), prompts_per_step=4,
+                             group_size=4, max_new_tokens=4, val_samples=0, max_policy_lag=1,
+                             engine=VLLMServerEngine(url, **engine_kwargs))
+    logger = InMemoryLogger()
+    trainer = pl.Trainer(accelerator="cpu" if device == "cpu" else "gpu", devices=1, max_steps=3, logger=logger,
+                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, log_every_n_steps=1)
+    trainer.fit(RLVRModule(model=path, engine_is_cap=2.0), data)
+    lags = [logger.history["rollout/policy_lag"][s] for s in sorted(logger.history["rollout/policy_lag"])]
+    kl = list(logger.history["rollout/engine_kl"].values())
+    check("4 a fit at max_policy_lag=1", lags == [0.0, 1.0, 1.0] and all(abs(v) < 1e-2 for v in kl),
+          f"lags {lags}, engine_kl {kl}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a local Hugging Face checkpoint (default: the built-in tiny model)")
+    parser.add_argument("--chat", action="store_true", help="the built-in chat model (two stop ids) instead")
+    parser.add_argument("--url", help="a running server (dev mode, NCCL weight transfer) instead of starting one")
+    parser.add_argument("--stand-in", action="store_true", help=argparse.SUPPRESS)  # CPU dry run on the stand-in
+    args = parser.parse_args()
+    path = checkpoint(args)
+    if args.stand_in:
+        from fake_vllm_server import FakeVLLMServer, GlooWeightTransport
+
+        with FakeVLLMServer(path) as server:
+            failures = run_checks(path, server.url, "cpu", True, {"transport_factory": GlooWeightTransport})
+    else:
+        gpus = torch.cuda.device_count()
+        with contextlib.nullcontext(args.url) if args.url else vllm_server(path, gpus - 1) as url:
+            failures = run_checks(path, url, "cuda:0", gpus >= 2 or bool(args.url), {})
+    print("PASS" if not failures else f"{len(failures)} check(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

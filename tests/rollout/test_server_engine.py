@@ -1,0 +1,270 @@
+"""VLLMServerEngine against the ``vllm serve`` stand-in (tests/fake_vllm_server.py: vLLM's HTTP protocol and checks,
+a real float32 copy of the pushed weights, the weight-transfer group over gloo in place of NCCL)."""
+
+from __future__ import annotations
+
+import copy
+from shutil import copytree
+
+import pytest
+import torch
+from fake_vllm_server import FakeVLLMServer, GlooWeightTransport
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from lightning_rlvr.rollout import SamplingConfig
+from lightning_rlvr.rollout.server import VLLMServerEngine, packed_chunks
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def make_engine(server: FakeVLLMServer, **kwargs) -> VLLMServerEngine:
+    transport = GlooWeightTransport()
+    engine = VLLMServerEngine(server.url, master_address="127.0.0.1", transport_factory=lambda: transport, **kwargs)
+    engine.test_transport = transport
+    return engine
+
+
+@pytest.fixture
+def chat_policy(tiny_chat_dir):
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_chat_dir)
+    with torch.no_grad():  # other weights than the served checkpoint's: what the server samples shows the push
+        for parameter in policy.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+        policy.model.norm.weight.mul_(30)  # peaked next-token distributions (a random init's are near uniform)
+    return policy
+
+
+def trainer_logprobs(policy, out, temperature: float) -> torch.Tensor:
+    """log π(token) at ``temperature`` under ``policy`` (one full forward and ``torch.distributions``)."""
+    sequences = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
+    mask = torch.cat([out.prompt_mask, torch.ones_like(out.completion_ids)], dim=1)
+    with torch.no_grad():
+        logits = policy(input_ids=sequences, attention_mask=mask,
+                        position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
+    width = out.completion_ids.shape[1]
+    return torch.distributions.Categorical(logits=logits[:, -(width + 1):-1] / temperature).log_prob(out.completion_ids)
+
+
+def valid(out) -> torch.Tensor:
+    return torch.arange(out.completion_ids.shape[1]) < out.lengths[:, None]
+
+
+PROMPTS = [[5, 17, 40, 9], [12, 3], [7, 7, 7, 30, 2]]
+
+
+def test_packed_chunks_close_once_the_running_size_exceeds_the_buffer():
+    # by hand: 4+4 = 8 > 7 closes [0, 1]; 4+10 > 7 closes [2, 3]; the 1 byte left is the last chunk
+    assert packed_chunks([4, 4, 4, 10, 1], 7) == [[0, 1], [2, 3], [4]]
+    assert packed_chunks([3, 4], 7) == [[0, 1]]          # exactly 7 does not exceed 7
+    assert packed_chunks([20], 7) == [[0]]
+    assert packed_chunks([], 7) == []
+
+
+@pytest.mark.parametrize(("version", "workers"), [("0.22.0", 1), ("0.28.1", 2)])  # packed* in update_info / init_info
+def test_a_sync_puts_the_policys_exact_weights_into_every_worker(tiny_chat_dir, chat_policy, version, workers):
+    with FakeVLLMServer(tiny_chat_dir, workers=workers, version=version) as server:
+        # 8 KiB buffers: the tiny model's weights travel in many broadcasts, its embedding alone exceeding one
+        engine = make_engine(server, bucket_mb=8 / 1024)
+        engine.sync(chat_policy, 3)
+        for name, parameter in chat_policy.named_parameters():
+            assert torch.equal(server.llm.weights[name], parameter.detach()), name
+        for worker in server.received:  # simulated tensor parallelism: every worker got every tensor, bit for bit
+            assert [name for name, _ in worker] == [name for name, _ in chat_policy.named_parameters()]
+            for (_, received), (_, parameter) in zip(worker, chat_policy.named_parameters()):
+                assert torch.equal(received, parameter.detach())
+        sizes = [p.numel() * p.element_size() for p in chat_policy.parameters()]
+        assert engine.test_transport.sent == [sum(sizes[i] for i in chunk) for chunk in packed_chunks(sizes, 8192)]
+        assert len(engine.test_transport.sent) > 3
+        assert server.weight_version == "3"
+
+
+def test_the_update_follows_vllms_four_phases_and_only_when_the_version_moved(tiny_chat_dir, chat_policy):
+    with FakeVLLMServer(tiny_chat_dir) as server:
+        engine = make_engine(server)
+        engine.sync(chat_policy, 0)
+        engine.sync(chat_policy, 0)  # same version: nothing sent
+        with torch.no_grad():
+            chat_policy.lm_head.weight.add_(0.1)
+        engine.sync(chat_policy, 1)
+        routes = [path for method, path in server.calls if path not in ("/v1/models", "/version")]
+        update = ["/pause?mode=keep", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+        assert routes == ["/get_world_size", "/init_weight_transfer_engine", *update, *update]
+        assert [c[0] for c in server.llm.calls].count("reset_prefix_cache") == 2  # pausing cleared the cache
+        assert torch.equal(server.llm.weights["model.embed_tokens.weight"], chat_policy.lm_head.weight.detach())
+
+
+def frequent_token(engine) -> int:
+    """The token the policy most likely writes first after ``PROMPTS[0]`` (a stop id that rows often reach)."""
+    out = engine.generate(PROMPTS[:1], 1, SamplingConfig(max_new_tokens=1, greedy=True, stop_token_ids=(512, 514)))
+    return int(out.completion_ids[0, 0])
+
+
+def test_generation_returns_what_the_server_sampled_grouped_by_prompt(tiny_chat_dir, chat_policy):
+    with FakeVLLMServer(tiny_chat_dir) as server:
+        engine = make_engine(server)
+        engine.sync(chat_policy, 0)
+        stop = frequent_token(engine)  # a user stop id beside the checkpoint's two
+        sampling = SamplingConfig(max_new_tokens=12, temperature=0.8, stop_token_ids=(512, 514, stop))
+        torch.manual_seed(1)
+        out = engine.generate(PROMPTS, 4, sampling)
+        served = [c for o in server.llm.last_outputs for c in o.outputs]
+    assert out.completion_ids.shape[0] == 12
+    for row, completion in enumerate(served):  # row i: sample i mod 4 of prompt i // 4
+        length = int(out.lengths[row])
+        assert out.completion_ids[row, :length].tolist() == list(completion.token_ids)
+        assert bool(out.stopped[row]) == (completion.finish_reason == "stop")
+        assert out.prompt_ids[row][out.prompt_mask[row] > 0].tolist() == PROMPTS[row // 4]
+    assert out.stopped.any()  # some rows end on a stop id, which they keep as their last token
+    for row in torch.nonzero(out.stopped).flatten().tolist():
+        assert int(out.completion_ids[row, int(out.lengths[row]) - 1]) in (512, 514, stop)
+    # the log-probs are the pushed weights' own at the sampling temperature
+    reference = trainer_logprobs(chat_policy, out, 0.8)
+    torch.testing.assert_close(out.logprobs[valid(out)], reference[valid(out)], atol=1e-4, rtol=0)
+
+
+def test_every_sampling_field_is_sent_so_the_checkpoints_defaults_never_apply(tmp_path, tiny_chat_dir, chat_policy):
+    checkpoint = copytree(tiny_chat_dir, tmp_path / "ckpt")
+    config = GenerationConfig.from_pretrained(checkpoint)
+    config.update(do_sample=True, temperature=0.3, top_p=0.5, top_k=3)
+    config.save_pretrained(checkpoint)
+    with FakeVLLMServer(str(checkpoint)) as server:
+        engine = make_engine(server)
+        engine.sync(chat_policy, 0)
+        engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=4, temperature=1.0, stop_token_ids=(512, 514)))
+        params = server.llm.params
+        assert (params.temperature, params.top_p, params.top_k, params.n) == (1.0, 1.0, 0, 2)
+        assert sorted(params.stop_token_ids) == [512, 514]
+        # greedy with n > 1, which vLLM refuses: one prompt per copy, n = 1, rows still grouped by prompt
+        out = engine.generate(PROMPTS[:2], 3, SamplingConfig(max_new_tokens=4, greedy=True, stop_token_ids=(512, 514)))
+        assert server.requests[-1]["n"] == 1 and server.requests[-1]["temperature"] == 0.0
+        assert len(server.requests[-1]["prompt"]) == 6
+        for prompt in range(2):
+            rows = out.completion_ids[3 * prompt:3 * prompt + 3]
+            assert (rows == rows[0]).all()
+
+
+def test_a_lora_policy_reaches_the_server_merged(tiny_chat_dir):
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_chat_dir)
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.2)
+    merged = copy.deepcopy(policy).merge_and_unload()  # peft's own merge, the reference
+    with FakeVLLMServer(tiny_chat_dir) as server:
+        engine = make_engine(server, bucket_mb=0.01)
+        engine.sync(policy, 0)
+        for name, parameter in merged.named_parameters():
+            torch.testing.assert_close(server.llm.weights[name], parameter.detach(), atol=1e-6, rtol=0)
+        assert not any("lora" in name for name, _ in server.received[0])
+
+
+def test_bad_setups_and_replies_are_named(tmp_path, tiny_chat_dir, chat_policy, tiny_model_dir):
+    with pytest.raises(ValueError, match="base_url"):
+        VLLMServerEngine("localhost:8000")
+    with pytest.raises(RuntimeError, match="no vLLM server answers at http://127.0.0.1:9"):
+        VLLMServerEngine("http://127.0.0.1:9").sync(chat_policy, 0)
+    with FakeVLLMServer(tiny_chat_dir, dev_mode=False) as server:
+        with pytest.raises(RuntimeError, match="VLLM_SERVER_DEV_MODE=1"):
+            make_engine(server).sync(chat_policy, 0)
+    with FakeVLLMServer(tiny_chat_dir, max_model_len=32) as server:
+        engine = make_engine(server, model=server.name)
+        engine.sync(chat_policy, 0)
+        with pytest.raises(ValueError, match="max_model_len=32"):
+            engine.generate([[5] * 30], 2, SamplingConfig(max_new_tokens=4, stop_token_ids=(512, 514)))
+        with pytest.raises(ValueError, match="serves"):
+            make_engine(server, model="other").sync(chat_policy, 0)
+        stop = frequent_token(engine)
+    # a served checkpoint whose generation config stops on an id the policy's stop ids leave out
+    checkpoint = copytree(tiny_chat_dir, tmp_path / "ckpt")
+    config = GenerationConfig.from_pretrained(checkpoint)
+    config.eos_token_id = [514, 512, stop]
+    config.save_pretrained(checkpoint)
+    with FakeVLLMServer(str(checkpoint)) as server:
+        engine = make_engine(server)
+        engine.sync(chat_policy, 0)
+        with pytest.raises(RuntimeError, match=f"stopped a completion on token \\[{stop}\\]"):
+            engine.generate(PROMPTS[:1], 1, SamplingConfig(max_new_tokens=4, greedy=True, stop_token_ids=(512, 514)))
+    # a policy of another architecture: the server cannot load its names, the update fails with its message
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with FakeVLLMServer(tiny_chat_dir) as server:
+        engine = make_engine(server)
+        with pytest.raises(RuntimeError, match="load_weights failed"):
+            engine.sync(other, 0)
+        assert engine.version == -1
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_fit_at_a_lag_trains_on_the_servers_rollouts_of_the_generating_policy(tiny_model_dir, memory_logger, lag):
+    from test_async_rollouts import GeneratingPolicyCheck, lagged_fit
+
+    torch.manual_seed(0)
+    check = GeneratingPolicyCheck()
+    with FakeVLLMServer(tiny_model_dir) as server:
+        engine = make_engine(server)
+        lagged_fit(6, [check], memory_logger, engine, lag, model=tiny_model_dir)
+        pushed = [path for _, path in server.calls].count("/update_weights")
+    starts = check.start_versions
+    for step, seen in enumerate(check.seen):
+        assert seen["version"] == starts[max(step - lag, 0)], (step, seen, starts)
+        # the server's log-probs are those of the weights that generated the batch (pushed by version)
+        assert seen["engine_error"] < 1e-4, (step, seen)
+    assert [memory_logger.history["rollout/policy_lag"][s] for s in range(6)] == [float(min(s, lag)) for s in range(6)]
+    # each step queues a generation with the weights it starts from: every version is pushed, once
+    assert pushed == len(set(starts)) == 6
+
+
+def test_the_packing_fields_go_where_the_servers_vllm_version_parses_them():
+    from lightning_rlvr.rollout.server import packing_info
+
+    packing = {"packed": True, "packed_buffer_size_bytes": 64, "packed_num_buffers": 2}
+    # vLLM 0.28.0 (PR #50902) moved them from NCCLWeightTransferUpdateInfo into NCCLWeightTransferInitInfo
+    assert packing_info("0.27.3", 64) == ({}, packing)
+    assert packing_info("0.21.0", 64) == ({}, packing)
+    assert packing_info("0.28.0", 64) == (packing, {})
+    assert packing_info("0.34.1.dev12+g62d4bc3c7", 64) == (packing, {})
+    assert packing_info("1.0.0rc1", 64) == (packing, {})
+
+
+def test_a_dtype_mix_vllm_cannot_view_in_place_is_refused_before_the_update(tiny_chat_dir, monkeypatch):
+    mixed = torch.nn.Module()
+    mixed.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))  # 6 bytes
+    mixed.weight = torch.nn.Parameter(torch.ones(4))                        # float32 at byte 6 of the buffer
+    with FakeVLLMServer(tiny_chat_dir) as server:
+        engine = make_engine(server)
+        with pytest.raises(ValueError, match="weight .torch.float32. would start at byte 6"):
+            engine.sync(mixed, 0)
+        assert ("POST", "/pause?mode=keep") not in server.calls
+        # what the server would have done with it: vLLM's in-place view fails, and the update with it
+        monkeypatch.setattr(VLLMServerEngine, "_check_alignment", lambda self, metadata: None)
+        with pytest.raises(RuntimeError, match="HTTP 500.*must be divisible by 4"):
+            engine.sync(mixed, 0)
+
+
+def test_each_trainer_rank_needs_a_server_of_its_own_and_a_recent_vllm(tiny_chat_dir, chat_policy, monkeypatch):
+    import lightning_rlvr.rollout.server as server_module
+
+    monkeypatch.setattr(server_module, "_rank", lambda: (1, 2))
+    with pytest.raises(ValueError, match="2 trainer ranks need a server each"):
+        VLLMServerEngine("http://127.0.0.1:1").sync(chat_policy, 0)
+    with pytest.raises(ValueError, match="3 base URLs for 2 trainer ranks"):
+        VLLMServerEngine(["http://a:1", "http://b:1", "http://c:1"]).sync(chat_policy, 0)
+    with FakeVLLMServer(tiny_chat_dir) as server:
+        engine = make_engine(server)
+        engine.urls = ["http://127.0.0.1:1", server.url]  # rank 1 talks to the second server only
+        engine.sync(chat_policy, 0)
+        assert engine.url == server.url and ("POST", "/update_weights") in server.calls
+    monkeypatch.undo()
+    with FakeVLLMServer(tiny_chat_dir, version="0.20.0") as server:
+        with pytest.raises(RuntimeError, match="runs vLLM 0.20.0; weight updates need vLLM >= 0.21"):
+            make_engine(server).sync(chat_policy, 0)
+    with FakeVLLMServer(tiny_chat_dir) as server:
+        engine = make_engine(server)
+        engine.transport_factory().library_version = "0.26.0"
+        with pytest.warns(UserWarning, match="the trainer's vLLM is 0.26.0, the server's 0.27.0"):
+            engine.sync(chat_policy, 0)
