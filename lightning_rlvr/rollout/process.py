@@ -1,8 +1,9 @@
 """A rollout engine in its own process: :class:`HFEngine` on a private copy of the policy, fed weights by version
 over ``torch.distributed``.
 
-The trainer (rank 0) and the engine process (rank 1) form a two-rank gloo process group of their own (a
-``TCPStore`` and a ``ProcessGroupGloo`` built directly, so it coexists with the default group a DDP run creates),
+The trainer (rank 0) and the engine process (rank 1) form a two-rank process group of their own (a ``TCPStore`` and a
+``ProcessGroupGloo`` built directly, so it coexists with the default group a DDP run creates; ``ProcessGroupNCCL``
+when the policy and the engine are on two different GPUs, so the bytes go device to device),
 and a control connection (``multiprocessing.connection``, authenticated) carries the commands: *sync* a version,
 *generate*, *close*. The weights travel as raw bytes in buckets: every parameter and buffer of the policy (tied
 weights once, non-persistent buffers included) has a fixed slot, 64-byte aligned, in one of a few byte buffers of
@@ -30,6 +31,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -38,7 +40,7 @@ from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, Samplin
 from lightning_rlvr.rollout.hf import HFEngine
 from lightning_rlvr.sharding import is_sharded
 
-__all__ = ["ProcessEngine", "WeightSlot", "weight_layout"]
+__all__ = ["ProcessEngine", "WeightSlot", "weight_layout", "weights_backend"]
 
 _ALIGN = 64  # bytes: every slot starts at a multiple of the largest element size, so a slice views as its dtype
 _HOST = "127.0.0.1"
@@ -115,11 +117,35 @@ def _structure(policy: nn.Module) -> bytes:
     return buffer.getvalue()
 
 
-def _weights_group(store, rank: int, timeout: timedelta):
-    """The two-rank gloo group of the trainer (0) and the engine (1), apart from any default process group."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo
+def _weights_group(store, rank: int, timeout: timedelta, backend: str = "gloo"):
+    """The two-rank group of the trainer (0) and the engine (1), apart from any default process group."""
+    from torch.distributed import PrefixStore
 
-    return ProcessGroupGloo(PrefixStore("lightning_rlvr_weights", store), rank, 2, timeout)
+    prefixed = PrefixStore("lightning_rlvr_weights", store)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupNCCL(prefixed, rank, 2, options)
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(prefixed, rank, 2, timeout)
+
+
+def weights_backend(requested: str, policy_device: torch.device, engine_device: torch.device) -> str:
+    """The weights group's backend: NCCL between two different CUDA devices (``"auto"`` picks it there), else gloo.
+
+    Raises:
+        ValueError: ``"nccl"`` where it cannot run (a CPU side, one GPU for both ranks, a torch without NCCL).
+    """
+    two_gpus = policy_device.type == engine_device.type == "cuda" and policy_device != engine_device
+    nccl = two_gpus and torch.distributed.is_available() and torch.distributed.is_nccl_available()
+    if requested == "nccl" and not nccl:
+        raise ValueError(f"ProcessEngine(backend='nccl') needs the policy and the engine on two different CUDA "
+                         f"devices and a torch with NCCL; the policy is on {policy_device}, the engine on "
+                         f"{engine_device} (NCCL cannot put both ranks on one device): use backend='gloo' or 'auto'")
+    return "nccl" if requested == "nccl" or (requested == "auto" and nccl) else "gloo"
 
 
 def _broadcast(group, buffer: Tensor) -> None:
@@ -175,6 +201,9 @@ class ProcessEngine(RolloutEngine):
         threads: torch threads of the engine process (``None``: torch's default); on CPU, the trainer's and the
             engine's threads share the cores.
         bucket_mb: the byte buffers' size limit in MiB (fewer, larger broadcasts against less staging memory).
+        backend: the weights group's backend: ``"auto"`` (NCCL when the policy and the engine are on two different
+            GPUs, the buffers staged on each side's device; else gloo, staged on the host), ``"gloo"`` or
+            ``"nccl"``.
         timeout_s: how long the process may take to start, and a weight broadcast to complete.
         use_cache: :class:`HFEngine`'s argument.
         behaviour_stats: :class:`HFEngine`'s argument.
@@ -183,7 +212,10 @@ class ProcessEngine(RolloutEngine):
     holds_own_weights = True  # the process's copy changes only at a sync
 
     def __init__(self, device: str | None = None, threads: int | None = None, bucket_mb: float = 64.0,
-                 timeout_s: float = 600.0, use_cache: bool = True, behaviour_stats: bool = True) -> None:
+                 timeout_s: float = 600.0, use_cache: bool = True, behaviour_stats: bool = True,
+                 backend: Literal["auto", "gloo", "nccl"] = "auto") -> None:
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"ProcessEngine: backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
         if threads is not None and threads < 1:
             raise ValueError(f"ProcessEngine: threads must be >= 1 (or None), got {threads}")
         if bucket_mb <= 0 or timeout_s <= 0:
@@ -192,6 +224,8 @@ class ProcessEngine(RolloutEngine):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.timeout = timedelta(seconds=timeout_s)
         self.use_cache, self.behaviour_stats = use_cache, behaviour_stats
+        self.backend = backend
+        self._backend = "gloo"  # the one in use, resolved at the start
         self.version: int = -1
         #: seeds each call's sampler in the process when set (else torch's global generator does).
         self.generator: torch.Generator | None = None
@@ -206,7 +240,9 @@ class ProcessEngine(RolloutEngine):
         from torch.distributed import TCPStore
 
         structure = _structure(policy)  # before a process runs: a policy that does not pickle is refused here
-        device = self.device or str(next(policy.parameters()).device)
+        policy_device = next(policy.parameters()).device
+        device = self.device or str(policy_device)
+        self._backend = weights_backend(self.backend, policy_device, torch.device(device))
         self._slots, sizes = weight_layout(policy, self.bucket_bytes)
         self._store = TCPStore(_HOST, 0, world_size=2, is_master=True, timeout=self.timeout, wait_for_workers=False)
         authkey = secrets.token_bytes(16)
@@ -221,13 +257,14 @@ class ProcessEngine(RolloutEngine):
                     raise TimeoutError(f"ProcessEngine: the engine process did not start within {self.timeout}")
                 time.sleep(0.05)
             self._connection = _no_delay(Client((_HOST, int(self._store.get("control_port"))), authkey=authkey))
-            self._send("start", structure, self._slots, sizes, self.use_cache, self.behaviour_stats)
+            self._send("start", structure, self._slots, sizes, self.use_cache, self.behaviour_stats, self._backend)
             self._receive("ready")  # the process built the policy; both sides now join the weights' group
-            self._group = _weights_group(self._store, 0, self.timeout)
+            self._group = _weights_group(self._store, 0, self.timeout, self._backend)
         except BaseException:
             self.close()
             raise
-        self._buffers = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+        staging = policy_device if self._backend == "nccl" else "cpu"
+        self._buffers = [torch.empty(size, dtype=torch.uint8, device=staging) for size in sizes]
 
     def close(self) -> None:
         """Stop the process (the next :meth:`sync` starts a new one)."""
@@ -342,7 +379,9 @@ class _Server:
 
     def run(self) -> None:
         try:
-            _, structure, slots, sizes, use_cache, behaviour_stats = pickle.loads(self.connection.recv_bytes())
+            _, structure, slots, sizes, use_cache, behaviour_stats, backend = pickle.loads(self.connection.recv_bytes())
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             with self.device:  # the empty weights are allocated where they will live, not staged on the host
                 policy = pickle.loads(structure)
             policy = policy.to(self.device)
@@ -352,11 +391,12 @@ class _Server:
                 raise RuntimeError(f"the policy rebuilt from its structure has other weights than the trainer's "
                                    f"(tied weights untied?): {built[:4]}... against {slots[:4]}...")
             self.targets = [(slot, tensor) for slot, (_, tensor) in zip(slots, weights)]
-            self.buffers = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+            staging = self.device if backend == "nccl" else "cpu"
+            self.buffers = [torch.empty(size, dtype=torch.uint8, device=staging) for size in sizes]
             self.engine = HFEngine(use_cache=use_cache, behaviour_stats=behaviour_stats)
             self.engine.sync(policy, -1)
             _send(self.connection, ("ready", None))
-            self.group = _weights_group(self.store, 1, self.timeout)
+            self.group = _weights_group(self.store, 1, self.timeout, backend)
         except Exception:
             _send(self.connection, ("error", traceback.format_exc()))
             return

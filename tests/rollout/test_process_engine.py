@@ -171,3 +171,25 @@ def test_a_lora_policy_generates_in_the_process_with_its_adapter(policy):
     torch.testing.assert_close(got.behaviour.logprobs[mask], with_adapter, atol=1e-5, rtol=0)
     with lora.disable_adapter():
         assert not torch.allclose(got.behaviour.logprobs[mask], sampled_logprobs(lora, got)[mask], atol=1e-3)
+
+
+def test_the_weights_backend_is_nccl_only_between_two_gpus(monkeypatch):
+    from lightning_rlvr.rollout.process import weights_backend
+
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)  # as on a CUDA build
+    assert weights_backend("auto", gpu0, gpu1) == "nccl"
+    assert weights_backend("nccl", gpu0, gpu1) == "nccl"
+    assert weights_backend("auto", gpu0, gpu0) == "gloo"  # NCCL cannot put both ranks on one device
+    assert weights_backend("auto", gpu0, cpu) == "gloo"
+    assert weights_backend("gloo", gpu0, gpu1) == "gloo"
+    with pytest.raises(ValueError, match="two different CUDA devices"):
+        weights_backend("nccl", gpu0, gpu0)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)  # a CPU build of torch
+    assert weights_backend("auto", gpu0, gpu1) == "gloo"
+    with pytest.raises(ValueError, match="a torch with NCCL"):
+        weights_backend("nccl", gpu0, gpu1)
+    with pytest.raises(ValueError, match="backend must be"):
+        ProcessEngine(backend="mpi")
+    with pytest.raises(ValueError, match="policy is on cpu, the engine on cpu"):
+        ProcessEngine(device="cpu", backend="nccl").sync(nn.Linear(2, 2), 0)
