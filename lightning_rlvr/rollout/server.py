@@ -248,7 +248,7 @@ class VLLMServerEngine(RolloutEngine):
                                f"{_SERVER_HELP}") from err
         if reply.status_code == 404 and path.split("?")[0] != "/v1/completions":
             raise RuntimeError(f"VLLMServerEngine: {self.url} has no {method} {path.split('?')[0]} (404): the "
-                               f"weight-transfer routes need a vLLM >= 0.22 server in dev mode; {_SERVER_HELP}")
+                               f"weight-transfer routes need a vLLM >= 0.21 server in dev mode; {_SERVER_HELP}")
         if reply.status_code != 200:
             try:
                 error = reply.json().get("error", reply.json())
