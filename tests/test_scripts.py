@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,12 +13,32 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["gpu_check_strategies.py", "gpu_smoke_vllm.py", "gpu_smoke_vllm_server.py"])
-def test_gpu_script_prints_its_usage(script):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+GPU_SCRIPTS = ["gpu_check_strategies.py", "gpu_smoke_vllm.py", "gpu_smoke_vllm_server.py"]
+
+
+def help_texts(paths: list[Path]) -> dict[str, str]:
+    """Each script's ``--help`` output, all run in one interpreter (each alone would import torch again)."""
+    runner = (
+        "import contextlib, io, json, os, runpy, sys\n"
+        "texts = {}\n"
+        "for path in sys.argv[1:]:\n"
+        "    sys.path.insert(0, os.path.dirname(path))  # as running the script puts its directory first\n"
+        "    sys.argv, out = [path, '--help'], io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "        runpy.run_path(path, run_name='__main__')\n"
+        "    texts[path] = out.getvalue()\n"
+        "print(json.dumps(texts))\n")
+    done = subprocess.run([sys.executable, "-c", runner, *map(str, paths)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "usage:" in done.stdout and "GPU" in done.stdout
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_gpu_scripts_print_their_usage():
+    texts = help_texts([ROOT / "scripts" / script for script in GPU_SCRIPTS])
+    assert len(texts) == len(GPU_SCRIPTS)
+    for path, text in texts.items():
+        assert "usage:" in text and "GPU" in text, path
 
 
 @pytest.mark.slow
