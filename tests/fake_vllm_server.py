@@ -103,12 +103,14 @@ class FakeVLLMServer:
         workers: the server's workers (tensor parallelism): ``GET /get_world_size``.
         logprobs_mode: ``--logprobs-mode``.
         version: the vLLM version it answers as (``GET /version``), which sets its weight-transfer protocol.
+        pause_delay_s: how long ``/pause`` takes before the server is paused (a timing knob: requests arriving meanwhile
+            are served with the old weights, as they would be by a server still finishing its running batch).
         timeout_s: how long a worker waits in the weight-transfer group.
     """
 
     def __init__(self, model_dir: str, served_model_name: str | None = None, max_model_len: int | None = None,
                  dev_mode: bool = True, workers: int = 1, logprobs_mode: str = "processed_logprobs",
-                 version: str = "0.27.0", timeout_s: float = 60.0) -> None:
+                 version: str = "0.27.0", timeout_s: float = 60.0, pause_delay_s: float = 0.0) -> None:
         from transformers import GenerationConfig
 
         with preserved_rng_state():  # FakeLLM reseeds the process's RNGs as vLLM's worker does in its own process
@@ -117,7 +119,7 @@ class FakeVLLMServer:
         self.defaults = {key: value for key, value in GenerationConfig.from_pretrained(model_dir).to_dict().items()
                          if key in OPENAI_DEFAULTS and value is not None}
         self.name = served_model_name or model_dir
-        self.dev_mode, self.workers = dev_mode, workers
+        self.dev_mode, self.workers, self.pause_delay_s = dev_mode, workers, pause_delay_s
         self.version, self.timeout = version, timedelta(seconds=timeout_s)
         release = tuple(int(part) for part in version.split(".")[:2])
         self.packing_in = "update_info" if release < (0, 28) else "init_info"
@@ -291,6 +293,7 @@ class FakeVLLMServer:
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> dict:
         if mode not in ("abort", "wait", "keep"):
             raise ServerError(400, f"Invalid pause mode: {mode}")
+        time.sleep(self.pause_delay_s)
         self._running.clear()
         if clear_cache:  # once paused, vLLM's engine core resets its prefix (and other) caches
             self.llm.reset_prefix_cache()

@@ -188,15 +188,17 @@ class VLLMServerEngine(RolloutEngine):
     """A running ``vllm serve`` as the rollout engine (module docstring): generation over its OpenAI-compatible HTTP
     API, weight updates through its native weight-transfer API.
 
-    The server must serve the policy's architecture and tokenizer; its weights are replaced at the first sync. Each
-    trainer rank needs a server of its own (``base_url`` a list, one URL per rank): a sync is one trainer pushing
-    to one server, with no collective between ranks. The server samples with its own random state: a run is not
-    reproducible from the trainer's seed (``GenerationOutput.logprobs`` are the server's; behaviour statistics are
-    computed by the trainer). Policies sharded across ranks (FSDP2, ZeRO-3) are refused; a LoRA policy is sent
-    merged (``W + scale·B·A``) under its base model's names.
+    The server must serve the policy's architecture and tokenizer; its weights are replaced at the first sync.
+    Several trainer ranks share one server (each sends its own prompts; rank 0 pushes the weights and the others
+    wait for it at a barrier), or have one each (``base_url`` a list, one URL per rank: each rank pushes to its own,
+    with no collective). A policy sharded across ranks (FSDP2, ZeRO-3) is gathered for the push; a LoRA policy is
+    sent merged (``W + scale·B·A``) under its base model's names. A shared server or a sharded policy makes the sync a
+    collective, which must run in the training thread: ``max_policy_lag`` at most 1. The server samples with its own
+    random state: a run is not reproducible from the trainer's seed (``GenerationOutput.logprobs`` are the
+    server's; behaviour statistics are computed by the trainer).
 
     Args:
-        base_url: the server's address (``http://host:port``), or one per trainer rank.
+        base_url: the server's address (``http://host:port``), shared by the trainer ranks, or one per rank.
         model: the served model's name (``None``: the server's only model).
         bucket_mb: the size a packed broadcast buffer exceeds before it is sent (vLLM's default is 1024).
         master_address: the trainer's address as the server's workers reach it (``None``: this machine's address on
@@ -262,12 +264,10 @@ class VLLMServerEngine(RolloutEngine):
     # -- lifecycle --------------------------------------------------------------------------------------------
     def _start(self) -> None:
         rank, world = _rank()
-        if len(self.urls) == 1 and world > 1:
-            raise ValueError(f"VLLMServerEngine: {world} trainer ranks need a server each (base_url: a list of "
-                             f"{world} URLs); one server cannot take weight pushes from several trainers")
         if len(self.urls) > 1 and len(self.urls) != world:
-            raise ValueError(f"VLLMServerEngine: {len(self.urls)} base URLs for {world} trainer ranks (one each)")
-        self.url = self.urls[rank]
+            raise ValueError(f"VLLMServerEngine: {len(self.urls)} base URLs for {world} trainer ranks (one URL, "
+                             f"shared, or one per rank)")
+        self.url = self.urls[rank % len(self.urls)]
         self.server_version = str(self._request("GET", "/version")["version"])
         models = self._request("GET", "/v1/models")["data"]
         names = [m["id"] for m in models]
@@ -315,18 +315,40 @@ class VLLMServerEngine(RolloutEngine):
     # -- the engine interface ---------------------------------------------------------------------------------
     @torch.no_grad()
     def sync(self, policy: nn.Module, version: int) -> None:
-        """Push ``policy``'s weights into the server if ``version`` is not the one it holds (module docstring)."""
-        if is_sharded(policy):
-            raise ValueError("VLLMServerEngine cannot push a policy sharded across ranks (FSDP2, ZeRO-3)")
+        """Push ``policy``'s weights into the server if ``version`` is not the one it holds (module docstring).
+
+        Under several trainer ranks sharing one server, every rank calls it: rank 0 pushes, and a barrier keeps the
+        others from generating before the server holds the new weights. A sharded policy's full weights are gathered
+        on every rank (twice: once for the names and shapes announced first, once to send).
+        """
+        rank, world = _rank()
+        shared = world > 1 and len(self.urls) == 1
+        if (shared or is_sharded(policy)) and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("VLLMServerEngine: this sync is a collective across trainer ranks (a server shared by "
+                               "the ranks, or a sharded policy) and was called from a background thread, where it "
+                               "could interleave with training's collectives: use max_policy_lag <= 1 (its syncs run "
+                               "in the training thread) or a server per rank with an unsharded policy")
         if self.url is None:
             self._start()
         self.policy = policy
         if version == self.version:
             return
-        if self._transport is None:
+        pushes = rank == 0 or not shared
+        if pushes and self._transport is None:
             self._connect()
         weights = self._weights(policy)
         metadata = [(name, tensor.shape, tensor.dtype) for bucket in weights() for name, tensor in bucket]
+        if pushes:
+            self._push(weights, metadata, version)
+        else:
+            for _ in weights():  # the gather of a sharded policy is a collective: every rank runs it
+                pass
+        if shared:
+            torch.distributed.barrier()  # no rank generates before the server holds the new weights
+        self.version = version
+
+    def _push(self, weights: Callable[[], Iterator[list[tuple[str, Tensor]]]],
+              metadata: list[tuple[str, torch.Size, torch.dtype]], version: int) -> None:
         self._check_alignment(metadata)
         _, update_extra = packing_info(self.server_version, self.bucket_bytes)
         update_info = {"names": [name for name, _, _ in metadata], "shapes": [list(shape) for _, shape, _ in metadata],
@@ -343,7 +365,6 @@ class VLLMServerEngine(RolloutEngine):
             raise
         self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
         self._request("POST", "/resume")
-        self.version = version
 
     def _check_alignment(self, metadata: list[tuple[str, torch.Size, torch.dtype]]) -> None:
         """vLLM's receiver views each tensor's bytes in place (no padding between tensors), which needs every tensor

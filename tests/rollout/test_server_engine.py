@@ -9,6 +9,7 @@ from shutil import copytree
 import pytest
 import torch
 from fake_vllm_server import FakeVLLMServer, GlooWeightTransport
+from test_distributed_fit import distributed_worker, spawn_two
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lightning_rlvr.rollout import SamplingConfig
@@ -246,17 +247,24 @@ def test_a_dtype_mix_vllm_cannot_view_in_place_is_refused_before_the_update(tiny
             engine.sync(mixed, 0)
 
 
-def test_each_trainer_rank_needs_a_server_of_its_own_and_a_recent_vllm(tiny_chat_dir, chat_policy, monkeypatch):
+def test_ranks_share_a_server_or_have_one_each_and_the_server_needs_a_recent_vllm(tiny_chat_dir, chat_policy,
+                                                                                    monkeypatch):
+    import threading
+
     import lightning_rlvr.rollout.server as server_module
 
     monkeypatch.setattr(server_module, "_rank", lambda: (1, 2))
-    with pytest.raises(ValueError, match="2 trainer ranks need a server each"):
-        VLLMServerEngine("http://127.0.0.1:1").sync(chat_policy, 0)
     with pytest.raises(ValueError, match="3 base URLs for 2 trainer ranks"):
         VLLMServerEngine(["http://a:1", "http://b:1", "http://c:1"]).sync(chat_policy, 0)
+    errors = []  # a shared server makes the sync a collective, refused in a background thread (lag > 1)
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(
+        RuntimeError, VLLMServerEngine("http://127.0.0.1:1").sync, chat_policy, 0)))
+    thread.start()
+    thread.join()
+    assert "called from a background thread" in str(errors[0].value)
     with FakeVLLMServer(tiny_chat_dir) as server:
         engine = make_engine(server)
-        engine.urls = ["http://127.0.0.1:1", server.url]  # rank 1 talks to the second server only
+        engine.urls = ["http://127.0.0.1:1", server.url]  # rank 1 talks to the second server only, and pushes
         engine.sync(chat_policy, 0)
         assert engine.url == server.url and ("POST", "/update_weights") in server.calls
     monkeypatch.undo()
@@ -268,3 +276,44 @@ def test_each_trainer_rank_needs_a_server_of_its_own_and_a_recent_vllm(tiny_chat
         engine.transport_factory().library_version = "0.26.0"
         with pytest.warns(UserWarning, match="the trainer's vLLM is 0.26.0, the server's 0.27.0"):
             engine.sync(chat_policy, 0)
+
+
+@distributed_worker
+def shared_server_worker(rank: int, port: int, model_dir: str, url: str, out_dir: str, strategy: str) -> None:
+    from test_distributed_fit import strategy_for
+    from test_module import reverse_data, trainer
+
+    from lightning_rlvr import RLVRModule
+    from lightning_rlvr.callbacks import EntropyBonus
+    from lightning_rlvr.loggers import InMemoryLogger
+    from lightning_rlvr.sharding import is_sharded
+
+    torch.manual_seed(rank)
+    logger = InMemoryLogger()
+    engine = VLLMServerEngine(url, master_address="127.0.0.1", transport_factory=GlooWeightTransport)
+    module = RLVRModule(model=model_dir, learning_rate=1e-2)
+    # the entropy bonus moves the weights at every step, whatever the rewards: a stale rollout would show
+    trainer(4, devices=2, strategy=strategy_for(strategy, 2), use_distributed_sampler=False, logger=logger,
+            callbacks=[EntropyBonus(coef=1.0)]).fit(module, reverse_data(engine=engine, prompts_per_step=4))
+    torch.save({"history": logger.history, "sharded": is_sharded(module.policy)}, f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_share_one_server_and_none_generates_before_the_push(tiny_model_dir, tmp_path, strategy):
+    """Two ranks, one server: rank 0 pushes the weights (under FSDP2 both gather them), and rank 1 waits for the push
+    (the server takes 0.5 s to pause: a rank that did not wait would be served by the old weights, and its
+    ``rollout/engine_kl`` would show it: 0.01-0.05 under DDP without the barrier; under FSDP2 the second gather,
+    which rank 0 runs while pushing, already holds rank 1 back)."""
+    with FakeVLLMServer(tiny_model_dir, pause_delay_s=0.5) as server:
+        spawn_two(shared_server_worker, tiny_model_dir, server.url, str(tmp_path), strategy)
+        pushes = [path for _, path in server.calls].count("/update_weights")
+        inits = [path for _, path in server.calls].count("/init_weight_transfer_engine")
+        served = server.llm.weights
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]  # our own files
+    assert all(rank["sharded"] == (strategy == "fsdp") for rank in ranks)
+    assert (inits, pushes) == (1, 4)  # one trainer (rank 0) in the group, a push per step's version
+    for rank in ranks:
+        kl = rank["history"]["rollout/engine_kl"]
+        assert len(kl) == 4 and all(abs(value) < 1e-5 for value in kl.values()), kl
+    assert all(torch.isfinite(tensor).all() for tensor in served.values())
