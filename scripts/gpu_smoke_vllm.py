@@ -60,6 +60,29 @@ def logprob_gap(policy, sampled, temperature: float, device: str) -> float:
     return (trainer - sampled.logprobs)[valid].abs().mean().item()
 
 
+def check_processed_logprobs(engine, policy, prompts, stop_ids, device: str, check) -> None:
+    """Check 3: sampled at temperature 1.0 and 0.7, the engine's log-probs equal the trainer's (mean gap < 1e-2)."""
+    for temperature in (1.0, 0.7):
+        sampled = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=6, temperature=temperature,
+                                                             stop_token_ids=stop_ids))
+        gap = logprob_gap(policy, sampled, temperature, device)
+        check(f"3 processed log-probs at T={temperature} equal the trainer's", gap < 1e-2, f"mean gap {gap:.2e}")
+
+
+def teach_another_answer(policy, tokenizer, prompt: list[int], device: str) -> None:
+    """30 supervised steps teaching ``prompt`` the answer "99": the policy's greedy completions change."""
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    target = tokenizer("99", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    for _ in range(30):
+        ids = torch.tensor([prompt + target] * 4, device=device)
+        logits = policy(input_ids=ids).logits[:, len(prompt) - 1 : -1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.tensor(target * 4, device=device))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
 def checkpoint(args) -> str:
     if args.model:
         return args.model
@@ -97,26 +120,13 @@ def one_gpu(path: str, device: str = "cuda") -> list[str]:
               before == completions(reference.generate(prompts, 1, greedy)))
     engine.release()
 
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    target = tokenizer("99", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    for _ in range(30):  # teach the first prompt the answer "99": the greedy completions change
-        ids = torch.tensor([p + target for p in prompts[:1]] * 4, device=device)
-        logits = policy(input_ids=ids).logits[:, len(prompts[0]) - 1 : -1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 torch.tensor(target * 4, device=device))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    teach_another_answer(policy, tokenizer, prompts[0], device)
     engine.sync(policy, 1)  # outside inference mode, into weights first created inside it
     after = completions(engine.generate(prompts, 1, greedy))
     check("2a the update reached vLLM", after != before, f"before {before}, after {after}")
     check("2b greedy equals generate after the update", after == completions(reference.generate(prompts, 1, greedy)))
 
-    for temperature in (1.0, 0.7):
-        sampled = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=6, temperature=temperature,
-                                                             stop_token_ids=stop_ids))
-        gap = logprob_gap(policy, sampled, temperature, device)
-        check(f"3 processed log-probs at T={temperature} equal the trainer's", gap < 1e-2, f"mean gap {gap:.2e}")
+    check_processed_logprobs(engine, policy, prompts, stop_ids, device, check)
 
     engine.sleep_level = 2  # the same engine (one sleep-mode engine per process): discard the weights this time
     engine.release()

@@ -27,7 +27,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,38 +34,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_rlvr.models import TinyModelConfig, build_tiny_chat_model, build_tiny_model  # noqa: E402
-from lightning_rlvr.ops import token_logprobs_and_entropy  # noqa: E402
+from gpu_smoke_vllm import (  # noqa: E402
+    check_processed_logprobs,
+    checkpoint,
+    completions,
+    teach_another_answer,
+)
+
 from lightning_rlvr.rollout import HFEngine, SamplingConfig, VLLMServerEngine  # noqa: E402
 from lightning_rlvr.rollout.stops import resolve_stop_token_ids  # noqa: E402
-
-
-def completions(output) -> list[list[int]]:
-    return [ids[:length] for ids, length in zip(output.completion_ids.tolist(), output.lengths.tolist())]
-
-
-def logprob_gap(policy, sampled, temperature: float, device: str) -> float:
-    """Mean |log p_trainer − log p_server| over the sampled tokens, the trainer's at ``temperature``."""
-    ids = torch.cat([sampled.prompt_ids, sampled.completion_ids], 1).to(device)
-    width = sampled.completion_ids.shape[1]
-    valid = torch.arange(width)[None, :] < sampled.lengths[:, None]
-    mask = torch.cat([sampled.prompt_mask, valid.long()], 1).to(device)
-    with torch.no_grad():
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        logits = policy(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        logits = logits[:, sampled.prompt_ids.shape[1] - 1 : -1]
-        trainer = token_logprobs_and_entropy(logits, sampled.completion_ids.to(device), temperature,
-                                             1024).logprobs.cpu()
-    return (trainer - sampled.logprobs)[valid].abs().mean().item()
-
-
-def checkpoint(args) -> str:
-    if args.model:
-        return args.model
-    if args.chat:
-        return build_tiny_chat_model(tempfile.mkdtemp())
-    return build_tiny_model(tempfile.mkdtemp(), TinyModelConfig(hidden_size=256, num_hidden_layers=4,
-                                                                intermediate_size=512))
 
 
 @contextlib.contextmanager
@@ -128,27 +104,14 @@ def run_checks(path: str, url: str, device: str, push_weights: bool, engine_kwar
         print("SKIP 2-4 the weight push (one GPU: NCCL cannot put the trainer and the server on one device)")
         return failures
 
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    target = tokenizer("99", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    for _ in range(30):  # teach the first prompt the answer "99": the greedy completions change
-        ids = torch.tensor([p + target for p in prompts[:1]] * 4, device=device)
-        logits = policy(input_ids=ids).logits[:, len(prompts[0]) - 1 : -1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 torch.tensor(target * 4, device=device))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    teach_another_answer(policy, tokenizer, prompts[0], device)
     start = time.perf_counter()
     engine.sync(policy, 1)
     seconds = time.perf_counter() - start
     after = completions(engine.generate(prompts, 1, greedy))
     check("2a the push reached the server", after != served, f"before {served}, after {after}; sync {seconds:.2f} s")
     check("2b greedy equals generate after the push", after == completions(reference.generate(prompts, 1, greedy)))
-    for temperature in (1.0, 0.7):
-        sampled = engine.generate(prompts, 4, SamplingConfig(max_new_tokens=6, temperature=temperature,
-                                                             stop_token_ids=stop_ids))
-        gap = logprob_gap(policy, sampled, temperature, device)
-        check(f"3 processed log-probs at T={temperature} equal the trainer's", gap < 1e-2, f"mean gap {gap:.2e}")
+    check_processed_logprobs(engine, policy, prompts, stop_ids, device, check)
     lagged_fit(path, url, device, engine_kwargs, check)
     return failures
 

@@ -172,6 +172,17 @@ def gsm8k_like_dataset(directory: Path) -> None:
                           "test": datasets.Dataset.from_list(rows[30:])}).save_to_disk(str(directory))
 
 
+def gpu_config_at_cpu_sizes(model_dir: str, root: Path, steps: int) -> list[str]:
+    """The command-line overrides that run a GPU config on the CPU: ``steps`` optimizer steps (two per rollout) of the
+    chat model at tiny sizes, an in-memory logger, one validation batch."""
+    return ["--trainer.accelerator", "cpu", "--trainer.max_steps", str(steps),
+            "--trainer.logger", "lightning_rlvr.loggers.InMemoryLogger", "--trainer.enable_progress_bar", "false",
+            "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(root),
+            "--model.model", model_dir, "--model.minibatch_size", "8", "--model.micro_batch_size", "4",
+            "--data.prompts_per_step", "4", "--data.group_size", "4", "--data.max_new_tokens", "12",
+            "--data.val_max_prompts", "2", "--data.val_batch_size", "2", "--data.verifier_workers", "1"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [c for c in GPU_CONFIGS if c != SERVER_CONFIG], ids=lambda p: p.name)
 def test_gpu_vllm_configs_train_on_the_chat_model_with_the_vllm_stand_in(config, tiny_chat_dir, tmp_path,
@@ -182,15 +193,7 @@ def test_gpu_vllm_configs_train_on_the_chat_model_with_the_vllm_stand_in(config,
     install_vllm_stand_in(monkeypatch)
     monkeypatch.chdir(tmp_path)  # the config's relative data path: data/gsm8k
     gsm8k_like_dataset(tmp_path / "data" / "gsm8k")
-    cli = build_cli([
-        "fit", "--config", str(config),
-        "--trainer.accelerator", "cpu", "--trainer.max_steps", "4",  # 2 rollout steps x 2 minibatches
-        "--trainer.logger", "lightning_rlvr.loggers.InMemoryLogger", "--trainer.enable_progress_bar", "false",
-        "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path),
-        "--model.model", tiny_chat_dir, "--model.minibatch_size", "8", "--model.micro_batch_size", "4",
-        "--data.prompts_per_step", "4", "--data.group_size", "4", "--data.max_new_tokens", "12",
-        "--data.val_max_prompts", "2", "--data.val_batch_size", "2", "--data.verifier_workers", "1",
-    ])
+    cli = build_cli(["fit", "--config", str(config), *gpu_config_at_cpu_sizes(tiny_chat_dir, tmp_path, steps=4)])
     assert cli.trainer.global_step == 4
     engine = cli.datamodule.engine
     assert engine.llm.kwargs["model"] == tiny_chat_dir and engine.llm.kwargs["enable_sleep_mode"] is True
@@ -214,13 +217,7 @@ def test_the_vllm_server_config_trains_one_step_behind_the_server_stand_in(tiny_
     gsm8k_like_dataset(tmp_path / "data" / "gsm8k")
     with FakeVLLMServer(tiny_chat_dir) as server:
         cli = build_cli([
-            "fit", "--config", str(SERVER_CONFIG),
-            "--trainer.accelerator", "cpu", "--trainer.max_steps", "6",  # 3 rollout steps x 2 minibatches
-            "--trainer.logger", "lightning_rlvr.loggers.InMemoryLogger", "--trainer.enable_progress_bar", "false",
-            "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path),
-            "--model.model", tiny_chat_dir, "--model.minibatch_size", "8", "--model.micro_batch_size", "4",
-            "--data.prompts_per_step", "4", "--data.group_size", "4", "--data.max_new_tokens", "12",
-            "--data.val_max_prompts", "2", "--data.val_batch_size", "2", "--data.verifier_workers", "1",
+            "fit", "--config", str(SERVER_CONFIG), *gpu_config_at_cpu_sizes(tiny_chat_dir, tmp_path, steps=6),
             "--data.engine.init_args.base_url", server.url,
             "--data.engine.init_args.transport_factory", "tests.fake_vllm_server.GlooWeightTransport",
         ])

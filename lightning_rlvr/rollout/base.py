@@ -138,6 +138,22 @@ class RolloutEngine(ABC):
                            dtype=torch.long)
         return ids, torch.tensor([length for length, _ in ends]), torch.tensor([stopped for _, stopped in ends])
 
+    @classmethod
+    def from_rows(cls, prompts: list[list[int]], n: int, rows: list[list[int]], logprobs: list[list[float]],
+                  stopped: list[bool], pad_id: int) -> GenerationOutput:
+        """The output of engines that return each completion as its own token list (its stop id last, if it stopped)
+        with one log-prob per token: ``P·n`` rows grouped by prompt, right-padded with ``pad_id``."""
+        width = max(1, max(len(r) for r in rows))
+        completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        completion_logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, (tokens, values) in enumerate(zip(rows, logprobs)):
+            completion_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            completion_logprobs[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        prompt_ids, prompt_mask = cls.left_pad(prompts, pad_id)
+        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0),
+                                completion_ids, lengths=torch.tensor([len(r) for r in rows]),
+                                stopped=torch.tensor(stopped), logprobs=completion_logprobs)
+
     @staticmethod
     def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
         """Stack token-id lists into left-padded ids and mask."""

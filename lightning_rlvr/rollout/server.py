@@ -467,16 +467,7 @@ class VLLMServerEngine(RolloutEngine):
             stopped.append(ended)
         config = self.policy.generation_config
         pad_id = config.pad_token_id if config.pad_token_id is not None else stop_ids[0]
-        width = max(1, max(len(r) for r in rows))
-        completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        completion_logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
-        for i, (tokens, values) in enumerate(zip(rows, logprobs)):
-            completion_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            completion_logprobs[i, : len(values)] = torch.tensor(values, dtype=torch.float32)
-        prompt_ids, prompt_mask = self.left_pad(prompts, pad_id)
-        return GenerationOutput(prompt_ids.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0),
-                                completion_ids, lengths=torch.tensor([len(r) for r in rows]),
-                                stopped=torch.tensor(stopped), logprobs=completion_logprobs)
+        return self.from_rows(prompts, n, rows, logprobs, stopped, pad_id)
 
 
 class _Reply(threading.Thread):

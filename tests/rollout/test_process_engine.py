@@ -30,8 +30,8 @@ def engine():
     engine.close()
 
 
-def sampled_logprobs(policy: nn.Module, out) -> torch.Tensor:
-    """log π(token) of every generated token under ``policy``, from one full-sequence forward and
+def sampled_logprobs(policy: nn.Module, out, temperature: float = 1.0) -> torch.Tensor:
+    """log π(token) at ``temperature`` of every generated token under ``policy``, from one full-sequence forward and
     ``torch.distributions`` (the engine's own numbers come from its cached one-token decoding steps)."""
     sequences = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
     mask = torch.cat([out.prompt_mask, torch.ones_like(out.completion_ids)], dim=1)
@@ -39,7 +39,8 @@ def sampled_logprobs(policy: nn.Module, out) -> torch.Tensor:
         logits = policy(input_ids=sequences, attention_mask=mask,
                         position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
     width = out.completion_ids.shape[1]
-    return torch.distributions.Categorical(logits=logits[:, -(width + 1) : -1]).log_prob(out.completion_ids)
+    return torch.distributions.Categorical(logits=logits[:, -(width + 1) : -1] / temperature).log_prob(
+        out.completion_ids)
 
 
 def valid(out) -> torch.Tensor:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from fake_vllm_server import FakeVLLMServer, GlooWeightTransport
 from test_distributed_fit import distributed_worker, spawn_two
+from test_process_engine import sampled_logprobs, valid
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lightning_rlvr.rollout import SamplingConfig
@@ -34,21 +35,6 @@ def chat_policy(tiny_chat_dir):
             parameter.add_(0.05 * torch.randn_like(parameter))
         policy.model.norm.weight.mul_(30)  # peaked next-token distributions (a random init's are near uniform)
     return policy
-
-
-def trainer_logprobs(policy, out, temperature: float) -> torch.Tensor:
-    """log π(token) at ``temperature`` under ``policy`` (one full forward and ``torch.distributions``)."""
-    sequences = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
-    mask = torch.cat([out.prompt_mask, torch.ones_like(out.completion_ids)], dim=1)
-    with torch.no_grad():
-        logits = policy(input_ids=sequences, attention_mask=mask,
-                        position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
-    width = out.completion_ids.shape[1]
-    return torch.distributions.Categorical(logits=logits[:, -(width + 1):-1] / temperature).log_prob(out.completion_ids)
-
-
-def valid(out) -> torch.Tensor:
-    return torch.arange(out.completion_ids.shape[1]) < out.lengths[:, None]
 
 
 PROMPTS = [[5, 17, 40, 9], [12, 3], [7, 7, 7, 30, 2]]
@@ -120,7 +106,7 @@ def test_generation_returns_what_the_server_sampled_grouped_by_prompt(tiny_chat_
     for row in torch.nonzero(out.stopped).flatten().tolist():
         assert int(out.completion_ids[row, int(out.lengths[row]) - 1]) in (512, 514, stop)
     # the log-probs are the pushed weights' own at the sampling temperature
-    reference = trainer_logprobs(chat_policy, out, 0.8)
+    reference = sampled_logprobs(chat_policy, out, 0.8)
     torch.testing.assert_close(out.logprobs[valid(out)], reference[valid(out)], atol=1e-4, rtol=0)
 
 
