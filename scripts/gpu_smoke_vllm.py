@@ -60,6 +60,20 @@ def logprob_gap(policy, sampled, temperature: float, device: str) -> float:
     return (trainer - sampled.logprobs)[valid].abs().mean().item()
 
 
+def float32_policy(path: str, device: str):
+    """The checkpoint's tokenizer and float32 policy, four addition prompts, the stop ids and greedy settings."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if policy.generation_config.pad_token_id is None:
+        policy.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
+    prompts = [tokenizer(text).input_ids for text in ("12+30=", "7+8=", "40+9=", "3+3=")]
+    stop_ids = resolve_stop_token_ids(tokenizer, policy.generation_config)
+    greedy = SamplingConfig(max_new_tokens=6, greedy=True, stop_token_ids=stop_ids)
+    return tokenizer, policy, prompts, stop_ids, greedy
+
+
 def check_processed_logprobs(engine, policy, prompts, stop_ids, device: str, check) -> None:
     """Check 3: sampled at temperature 1.0 and 0.7, the engine's log-probs equal the trainer's (mean gap < 1e-2)."""
     for temperature in (1.0, 0.7):
@@ -94,15 +108,7 @@ def checkpoint(args) -> str:
 
 def one_gpu(path: str, device: str = "cuda") -> list[str]:
     """Checks 1-4; returns the failures (``device``: ``cpu`` only to dry-run the script against a vLLM stand-in)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if policy.generation_config.pad_token_id is None:
-        policy.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
-    prompts = [tokenizer(text).input_ids for text in ("12+30=", "7+8=", "40+9=", "3+3=")]
-    stop_ids = resolve_stop_token_ids(tokenizer, policy.generation_config)
-    greedy = SamplingConfig(max_new_tokens=6, greedy=True, stop_token_ids=stop_ids)
+    tokenizer, policy, prompts, stop_ids, greedy = float32_policy(path, device)
     engine = VLLMEngine(dtype="float32", gpu_memory_utilization=0.3, enforce_eager=True, enable_sleep_mode=True)
     reference = HFEngine()
     failures: list[str] = []

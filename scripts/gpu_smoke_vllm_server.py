@@ -38,11 +38,11 @@ from gpu_smoke_vllm import (  # noqa: E402
     check_processed_logprobs,
     checkpoint,
     completions,
+    float32_policy,
     teach_another_answer,
 )
 
 from lightning_rlvr.rollout import HFEngine, SamplingConfig, VLLMServerEngine  # noqa: E402
-from lightning_rlvr.rollout.stops import resolve_stop_token_ids  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -75,15 +75,7 @@ def vllm_server(path: str, gpu: int, port: int = 8765):
 
 
 def run_checks(path: str, url: str, device: str, push_weights: bool, engine_kwargs: dict) -> list[str]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if policy.generation_config.pad_token_id is None:
-        policy.generation_config.pad_token_id = tokenizer.pad_token_id or tokenizer.eos_token_id
-    prompts = [tokenizer(text).input_ids for text in ("12+30=", "7+8=", "40+9=", "3+3=")]
-    stop_ids = resolve_stop_token_ids(tokenizer, policy.generation_config)
-    greedy = SamplingConfig(max_new_tokens=6, greedy=True, stop_token_ids=stop_ids)
+    tokenizer, policy, prompts, stop_ids, greedy = float32_policy(path, device)
     engine = VLLMServerEngine(url, **engine_kwargs)
     reference = HFEngine()
     reference.sync(policy, 0)
