@@ -42,7 +42,7 @@ from gpu_smoke_vllm import (  # noqa: E402
     teach_another_answer,
 )
 
-from lightning_rlvr.rollout import HFEngine, SamplingConfig, VLLMServerEngine  # noqa: E402
+from lightning_rlvr.rollout import HFEngine, VLLMServerEngine  # noqa: E402
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
+import io
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -16,22 +17,30 @@ ROOT = Path(__file__).resolve().parents[1]
 GPU_SCRIPTS = ["gpu_check_strategies.py", "gpu_smoke_vllm.py", "gpu_smoke_vllm_server.py"]
 
 
+def run_script(path: Path, *args: str) -> tuple[int, str]:
+    """``python path args`` in this interpreter (a subprocess would import torch again, ~5 s): the exit code and what
+    it printed."""
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.parent))  # as running the script puts its directory first
+    out, code = io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return code, out.getvalue()
+
+
 def help_texts(paths: list[Path]) -> dict[str, str]:
-    """Each script's ``--help`` output, all run in one interpreter (each alone would import torch again)."""
-    runner = (
-        "import contextlib, io, json, os, runpy, sys\n"
-        "texts = {}\n"
-        "for path in sys.argv[1:]:\n"
-        "    sys.path.insert(0, os.path.dirname(path))  # as running the script puts its directory first\n"
-        "    sys.argv, out = [path, '--help'], io.StringIO()\n"
-        "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
-        "        runpy.run_path(path, run_name='__main__')\n"
-        "    texts[path] = out.getvalue()\n"
-        "print(json.dumps(texts))\n")
-    done = subprocess.run([sys.executable, "-c", runner, *map(str, paths)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    """Each script's ``--help`` output."""
+    texts = {}
+    for path in paths:
+        code, texts[str(path)] = run_script(path, "--help")
+        assert code == 0, path
+    return texts
 
 
 def test_gpu_scripts_print_their_usage():
@@ -42,32 +51,24 @@ def test_gpu_scripts_print_their_usage():
 
 
 @pytest.mark.slow
-def test_the_vllm_smoke_script_runs_end_to_end_on_the_stand_in(tmp_path):
+def test_the_vllm_smoke_script_runs_end_to_end_on_the_stand_in(monkeypatch):
     """The GPU script's logic, dry-run on the CPU with the vLLM stand-in as `vllm` (the real run needs a GPU)."""
-    runner = tmp_path / "run.py"
-    runner.write_text(
-        "import runpy, sys, types\n"
-        f"sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]\n"
-        "import fake_vllm\n"
-        "vllm = types.ModuleType('vllm')\n"
-        "vllm.LLM, vllm.SamplingParams = fake_vllm.FakeLLM, fake_vllm.SamplingParams\n"
-        "sys.modules['vllm'] = vllm\n"
-        f"sys.argv = ['gpu_smoke_vllm.py', '--chat', '--device', 'cpu']\n"
-        f"runpy.run_path({str(ROOT / 'scripts' / 'gpu_smoke_vllm.py')!r}, run_name='__main__')\n")
-    done = subprocess.run([sys.executable, str(runner)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    from tests.fake_vllm import install
+
+    install(monkeypatch)
+    code, out = run_script(ROOT / "scripts" / "gpu_smoke_vllm.py", "--chat", "--device", "cpu")
+    lines = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert code == 0, out[-2000:]
     assert len(lines) == 7 and all(line.startswith("PASS") for line in lines), lines  # checks 1-4 and the verdict
 
 
 @pytest.mark.slow
-def test_the_vllm_server_smoke_script_runs_end_to_end_on_the_stand_in(tmp_path):
+def test_the_vllm_server_smoke_script_runs_end_to_end_on_the_stand_in(tmp_path, monkeypatch):
     """The GPU script's logic, dry-run on the CPU against the `vllm serve` stand-in, its weights over gloo."""
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_smoke_vllm_server.py"), "--chat", "--stand-in"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    monkeypatch.chdir(tmp_path)
+    code, out = run_script(ROOT / "scripts" / "gpu_smoke_vllm_server.py", "--chat", "--stand-in")
+    lines = [line for line in out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert code == 0, out[-2000:]
     assert len(lines) == 7 and all(line.startswith("PASS") for line in lines), lines  # checks 1-4 and the verdict
 
 
