@@ -34,8 +34,9 @@ behaviour statistics, so the trainer's old policy is the current one and ``RLVRM
 importance-corrects the staleness. Anything else that uses the engine (validation, probes, a checkpoint) waits for
 the background generations first. Under DDP each rank runs its own background generations on its own engine; the
 background does no collective (the reward-component names are united over ranks when the batch is built, in the
-training thread). A policy sharded across ranks (FSDP2, ZeRO-3) cannot be copied into an engine, so those strategies
-take no lag.
+training thread). A policy sharded across ranks (FSDP2, ZeRO-3) cannot be copied into ``HFEngine`` or
+``ProcessEngine``; ``VLLMServerEngine`` gathers its weights for the push (a collective, in the training thread), so
+it takes a lag of 1.
 
 Exact resume: :meth:`RolloutDataModule.state_dict` (in every checkpoint) records the epoch's shuffle seed, the
 prompts already trained, the refill sampler and the global RNG states — of every rank when there are several (the
@@ -259,8 +260,8 @@ class RolloutDataModule(pl.LightningDataModule):
             of its step. ``k >= 1``: the rollouts of the next ``k`` steps are generated in the background while this
             step trains, each by a policy at most ``k`` rollout steps older than the one that trains on it, so
             generation overlaps training (see "Asynchronous rollouts" in the module docstring). Needs an engine with
-            its own weights (``HFEngine(weights="copy")`` in a thread of this process, or ``ProcessEngine()`` in a
-            process of its own) and ``RLVRModule(engine_is_cap=...)``.
+            its own weights (``HFEngine(weights="copy")`` in a thread of this process, ``ProcessEngine()`` in a
+            process of its own, ``VLLMServerEngine`` on other GPUs) and ``RLVRModule(engine_is_cap=...)``.
     """
 
     def __init__(
@@ -411,8 +412,8 @@ class RolloutDataModule(pl.LightningDataModule):
         if self.max_policy_lag:
             if not getattr(self.engine, "holds_own_weights", False):
                 raise ValueError(f"max_policy_lag={self.max_policy_lag} generates while the policy trains: the engine "
-                                 f"needs its own copy of the weights, e.g. HFEngine(weights='copy') or "
-                                 f"ProcessEngine(); {type(self.engine).__name__} generates with the live policy")
+                                 f"needs its own copy of the weights, e.g. HFEngine(weights='copy'), ProcessEngine() "
+                                 f"or VLLMServerEngine(); {type(self.engine).__name__} generates with the live policy")
         if self.tokenizer is None and self.trainer is not None:
             module = self.trainer.lightning_module
             tokenizer = getattr(module, "tokenizer", None)
@@ -633,8 +634,11 @@ class RolloutDataModule(pl.LightningDataModule):
         pending = list(problems)
         last_rows: list[_Scored] = []
         # A sharded policy (FSDP2, ZeRO-3) generates collectively: every rank must run as many rounds as the
-        # busiest one, so a rank that is done runs idle rounds (one prompt, discarded) until all are done.
-        lockstep = self.dynamic_sampling and world_size() > 1 and is_sharded(self.trainer.lightning_module.policy)
+        # busiest one, so a rank that is done runs idle rounds (one prompt, discarded) until all are done. An engine
+        # with weights of its own (a vLLM server fed the gathered weights) generates alone: no lockstep, which could
+        # not run in the background thread of a lag anyway.
+        lockstep = (self.dynamic_sampling and world_size() > 1 and is_sharded(self.trainer.lightning_module.policy)
+                    and not getattr(self.engine, "holds_own_weights", False))
         idle = False
         while True:
             if idle:

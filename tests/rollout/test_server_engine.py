@@ -266,7 +266,8 @@ def test_ranks_share_a_server_or_have_one_each_and_the_server_needs_a_recent_vll
 
 @distributed_worker
 def shared_server_worker(rank: int, port: int, model_dir: str, urls: list[str], out_dir: str) -> None:
-    """A DDP fit against the first server, then an FSDP2 fit against the second (one spawn: each costs ~5 s)."""
+    """A DDP fit against the first server, then FSDP2 fits against the second (lag 0) and the third (lag 1 with
+    dynamic sampling), in one spawn (each costs ~5 s)."""
     from test_distributed_fit import strategy_for
     from test_module import reverse_data, trainer
 
@@ -275,16 +276,18 @@ def shared_server_worker(rank: int, port: int, model_dir: str, urls: list[str], 
     from lightning_rlvr.loggers import InMemoryLogger
     from lightning_rlvr.sharding import is_sharded
 
-    for strategy, url in zip(("ddp", "fsdp"), urls):
+    for run, strategy, url, lag in (("ddp", "ddp", urls[0], 0), ("fsdp", "fsdp", urls[1], 0),
+                                     ("fsdp-lag1", "fsdp", urls[2], 1)):
         torch.manual_seed(rank)
         logger = InMemoryLogger()
         engine = VLLMServerEngine(url, master_address="127.0.0.1", transport_factory=GlooWeightTransport)
-        module = RLVRModule(model=model_dir, learning_rate=1e-2)
+        module = RLVRModule(model=model_dir, learning_rate=1e-2, engine_is_cap=2.0 if lag else None)
         # the entropy bonus moves the weights at every step, whatever the rewards: a stale rollout would show
+        data = reverse_data(engine=engine, prompts_per_step=4, max_policy_lag=lag, dynamic_sampling=bool(lag),
+                            max_generation_rounds=2)
         trainer(4, devices=2, strategy=strategy_for(strategy, 2), use_distributed_sampler=False, logger=logger,
-                callbacks=[EntropyBonus(coef=1.0)]).fit(module, reverse_data(engine=engine, prompts_per_step=4))
-        torch.save({"history": logger.history, "sharded": is_sharded(module.policy)},
-                   f"{out_dir}/{strategy}-rank{rank}.pt")
+                callbacks=[EntropyBonus(coef=1.0)]).fit(module, data)
+        torch.save({"history": logger.history, "sharded": is_sharded(module.policy)}, f"{out_dir}/{run}-rank{rank}.pt")
 
 
 @pytest.mark.slow
@@ -294,9 +297,17 @@ def test_ranks_share_one_server_and_none_generates_before_the_push(tiny_model_di
     ``rollout/engine_kl`` would show it: 0.01-0.05 under DDP without the barrier; under FSDP2 the second gather,
     which rank 0 runs while pushing, already holds rank 1 back)."""
     with FakeVLLMServer(tiny_model_dir, pause_delay_s=0.5) as ddp, \
-            FakeVLLMServer(tiny_model_dir, pause_delay_s=0.5) as fsdp:
-        spawn_two(shared_server_worker, tiny_model_dir, [ddp.url, fsdp.url], str(tmp_path))
+            FakeVLLMServer(tiny_model_dir, pause_delay_s=0.5) as fsdp, FakeVLLMServer(tiny_model_dir) as lagged:
+        spawn_two(shared_server_worker, tiny_model_dir, [ddp.url, fsdp.url, lagged.url], str(tmp_path))
         calls = {"ddp": [path for _, path in ddp.calls], "fsdp": [path for _, path in fsdp.calls]}
+        lagged_pushes = [path for _, path in lagged.calls].count("/update_weights")
+    # FSDP2 at lag 1 with dynamic sampling: the gathers run in the training thread, the rounds in the background
+    # without a lockstep (a collective there would interleave with training's)
+    for r in range(2):
+        history = torch.load(tmp_path / f"fsdp-lag1-rank{r}.pt", weights_only=False)["history"]
+        assert [history["rollout/policy_lag"][s] for s in range(4)] == [0.0, 1.0, 1.0, 1.0]
+        assert all(history["rollout/generation_rounds"][s] >= 1 for s in range(4))
+    assert lagged_pushes == 4
     for strategy in ("ddp", "fsdp"):
         ranks = [torch.load(tmp_path / f"{strategy}-rank{r}.pt", weights_only=False) for r in range(2)]  # ours
         assert all(rank["sharded"] == (strategy == "fsdp") for rank in ranks)
