@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_rlvr.distributed import world_size
 from lightning_rlvr.lora import is_lora, merged_weights
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
 from lightning_rlvr.sharding import full_weights, is_sharded
@@ -179,9 +180,9 @@ def _address_towards(url: str) -> str:
 
 
 def _rank() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
+    """``(this trainer rank, number of ranks)``."""
+    world = world_size()
+    return (torch.distributed.get_rank() if world > 1 else 0), world
 
 
 class VLLMServerEngine(RolloutEngine):
