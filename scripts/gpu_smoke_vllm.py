@@ -3,6 +3,7 @@
     python scripts/gpu_smoke_vllm.py                       # the built-in tiny model, built offline
     python scripts/gpu_smoke_vllm.py --chat                # builtin:tiny-chat (byte-level BPE, two stop ids)
     python scripts/gpu_smoke_vllm.py --model /path/to/Qwen2.5-0.5B-Instruct
+    python scripts/gpu_smoke_vllm.py --model builtin:smollm2-135m-instruct   # the cached real model
 
 Each check prints PASS or FAIL; the exit code is 1 if any failed. The checks are those a CPU stand-in cannot make
 (``../shared/reviews/vllm-review.md``):
@@ -34,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_rlvr.models import TinyModelConfig, build_tiny_chat_model, build_tiny_model  # noqa: E402
+from lightning_rlvr.models import TinyModelConfig, build_tiny_chat_model, build_tiny_model, resolve_model  # noqa: E402
 from lightning_rlvr.ops import token_logprobs_and_entropy  # noqa: E402
 from lightning_rlvr.rollout import HFEngine, SamplingConfig, VLLMEngine  # noqa: E402
 from lightning_rlvr.rollout.stops import resolve_stop_token_ids  # noqa: E402
@@ -99,7 +100,7 @@ def teach_another_answer(policy, tokenizer, prompt: list[int], device: str) -> N
 
 def checkpoint(args) -> str:
     if args.model:
-        return args.model
+        return resolve_model(args.model)[0]  # a directory, or a packaged built-in model's cache
     if args.chat:
         return build_tiny_chat_model(tempfile.mkdtemp())
     return build_tiny_model(tempfile.mkdtemp(), TinyModelConfig(hidden_size=256, num_hidden_layers=4,
@@ -166,7 +167,8 @@ def two_gpus(path: str) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a local Hugging Face checkpoint (default: the built-in tiny model)")
+    parser.add_argument("--model", help="a local Hugging Face checkpoint or builtin:smollm2-135m-instruct "
+                                        "(default: the built-in tiny model)")
     parser.add_argument("--chat", action="store_true", help="the built-in chat model (two stop ids) instead")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a dry run on a vLLM stand-in
     parser.add_argument("--ddp", help=argparse.SUPPRESS)  # the 2-GPU fit: a checkpoint path, run by check 5
