@@ -230,7 +230,9 @@ class RolloutDataModule(pl.LightningDataModule):
 
     Args:
         source: where problems come from (default: the built-in ``addition`` task).
-        verifier: scores completions (default: :class:`~lightning_rlvr.verifiers.ExactMatchVerifier`).
+        verifier: scores completions (default: the source's own, such as
+            :class:`~lightning_rlvr.data.ReasoningGymVerifier` for a :class:`~lightning_rlvr.data.ReasoningGymSource`,
+            else :class:`~lightning_rlvr.verifiers.ExactMatchVerifier`).
         engine: generates completions (default: :class:`~lightning_rlvr.rollout.HFEngine`).
         prompts_per_step: prompts per rollout batch (per rank under DDP).
         group_size: ``G``, completions per prompt.
@@ -320,7 +322,9 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError(f"max_policy_lag must be an int >= 0 (0: on-policy; k: rollouts generated up to k steps "
                              f"ahead), got {max_policy_lag!r}")
         self.source = source if source is not None else BuiltinTask()
-        self.verifier = verifier if verifier is not None else ExactMatchVerifier()
+        if verifier is None:
+            verifier = self.source.default_verifier() or ExactMatchVerifier()
+        self.verifier = verifier
         self.engine = engine if engine is not None else HFEngine()
         self.prompts_per_step = prompts_per_step
         self.group_size = group_size

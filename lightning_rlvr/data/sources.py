@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from lightning_rlvr.tasks import ArithmeticTask, Problem, TaskName
+from lightning_rlvr.verifiers.base import Verifier
 
 __all__ = ["BuiltinTask", "FileSource", "PromptSource", "load_problems"]
 
@@ -30,6 +31,11 @@ class PromptSource(ABC):
     def warm_start_problems(self) -> list[Problem]:
         """Problems with known answers for a supervised warm start (empty: no warm start possible)."""
         return []
+
+    def default_verifier(self) -> Verifier | None:
+        """The verifier a source's answers are meant for, used when the DataModule is given none (``None``: exact
+        match)."""
+        return None
 
 
 class BuiltinTask(PromptSource):
