@@ -31,7 +31,9 @@ def _load(ckpt_path: str):
     from lightning_rlvr.module import RLVRModule
 
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    module = RLVRModule(**checkpoint["hyper_parameters"])
+    # LightningCLI adds its own entries (``_instantiator``, ``_class_path``) to the hyperparameters it saves
+    arguments = {key: value for key, value in checkpoint["hyper_parameters"].items() if not key.startswith("_")}
+    module = RLVRModule(**arguments)
     module.configure_model()
     module.on_load_checkpoint(checkpoint)
     result = module.load_state_dict(checkpoint["state_dict"], strict=False)

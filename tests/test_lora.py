@@ -4,6 +4,7 @@ checkpoints hold the adapter, a warm start can become the base, engines generate
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -253,3 +254,20 @@ def test_vllm_serves_the_adapter_through_its_lora_support(tiny_model_dir, memory
     assert sum(call[0] == "load_weights" for call in llm.calls) == 1 and module.policy.merged_adapter_count == 1
     kl = memory_logger.history["rollout/engine_kl"]
     assert max(abs(v) for v in kl.values()) < 1e-5
+
+
+def test_export_takes_a_checkpoint_written_by_the_cli(tmp_path, monkeypatch):
+    """LightningCLI saves its own entries (``_instantiator``) among the hyperparameters; export must skip them."""
+    from lightning_rlvr.cli import build_cli, main
+
+    monkeypatch.chdir(tmp_path)
+    build_cli(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "quickstart_lora.yaml"),
+               "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+               "--trainer.val_check_interval", "1", "--trainer.num_sanity_val_steps", "0",  # saved after validation
+               "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks", "[]",
+               "--data.prompts_per_step", "2", "--data.group_size", "2", "--data.val_max_prompts", "2",
+               "--data.val_samples", "0"])
+    (checkpoint,) = tmp_path.glob("**/*.ckpt")
+    assert "_instantiator" in torch.load(checkpoint, weights_only=True)["hyper_parameters"]
+    main(["export", "--ckpt_path", str(checkpoint), "--output", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
