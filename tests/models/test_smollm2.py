@@ -162,7 +162,8 @@ def test_the_real_models_stop_id_is_im_end_which_is_also_its_pad(smol_module):
 
 
 def graded(completion: str, answer: str) -> float:
-    """The right answer, and then the shorter the better: samples of one prompt almost never tie."""
+    """The right answer, and then the shorter the better: samples of one prompt almost never tie. (A completion cut at
+    the token limit scores 0 whatever this says: 16 tokens let some of this model's samples stop.)"""
     return float(answer in completion) - len(completion) / 100
 
 
@@ -170,7 +171,7 @@ def tiny_rl_data(**kwargs) -> RolloutDataModule:
     problems = [Problem("What is 2 + 3?", "5"), Problem("What is 4 + 4?", "8")]
     settings = dict(source=ListSource(problems), verifier=CallableVerifier(graded, isolation="inline"),
                     chat_template=True,
-                    prompts_per_step=2, group_size=2, max_new_tokens=6, temperature=0.7, val_samples=0,
+                    prompts_per_step=2, group_size=2, max_new_tokens=16, temperature=0.7, val_samples=0,
                     verifier_workers=1)
     return RolloutDataModule(**{**settings, **kwargs})
 
