@@ -90,8 +90,8 @@ def main(args: ArgsType = None) -> None:
 
     ``lightning_rlvr export --ckpt_path ... --output ...`` writes a checkpoint's policy as a PEFT adapter or a plain
     model (:mod:`lightning_rlvr.export`); ``lightning_rlvr prepare-model NAME`` builds the cache of
-    ``builtin:NAME`` (:mod:`lightning_rlvr.models.smollm2`); every other subcommand is Lightning's. Returns ``None`` on purpose: a
-    console script passes the return value to ``sys.exit``.
+    ``builtin:NAME`` (:mod:`lightning_rlvr.models.smollm2`); every other subcommand is Lightning's. Returns ``None`` on
+    purpose: a console script passes the return value to ``sys.exit``.
     """
     arguments = list(sys.argv[1:] if args is None else args)
     if arguments[:1] == ["export"]:

