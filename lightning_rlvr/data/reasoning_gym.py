@@ -127,12 +127,13 @@ class ReasoningGymVerifier(Verifier):
 
     def score(self, completion: str, answer: str) -> float:
         reference = json.loads(answer)
-        entry = self._data()[int(reference["index"])]
+        data = self._data()
+        entry = data[int(reference["index"])]
         if entry["answer"] != reference["answer"]:
             raise ValueError(f"{self.dataset} item {reference['index']} now has the answer {entry['answer']!r}, the "
                              f"problem says {reference['answer']!r}: not the dataset the problems came from (another "
                              f"reasoning-gym version, config or seed)")
-        return float(self._data().score_answer(self.extract(completion), entry))
+        return float(data.score_answer(self.extract(completion), entry))
 
     def answer_key(self, completion: str) -> str:
         extracted = self.extract(completion)
