@@ -34,6 +34,9 @@ from lightning_rlvr.verifiers import CallableVerifier
 from tests.conftest import MemoryLogger
 
 GOLDEN = Path(__file__).parent / "golden" / "training.json"
+# Written at step 2 of 3 by the code before the architecture split (commit e9b3875): the tiny model, KL, micro-batches
+# and AdaptiveEntropy's controller state, with the DataModule's resume state.
+OLD_CHECKPOINT = Path(__file__).parent / "golden" / "checkpoint_before_split.ckpt"
 RECORD = os.environ.get("LIGHTNING_RLVR_RECORD_GOLDEN") == "1"
 ROLLOUT_STEPS = 2
 PROMPTS, GROUP = 4, 4
@@ -161,6 +164,36 @@ def test_training_matches_the_golden_record(tiny_model_dir, config):
         assert same_value(want, got, exact), f"{config}: parameters moved: projection {got!r}, recorded {want!r}"
     if exact:
         assert measured["sha256"] == recorded["sha256"], f"{config}: the trained parameters are not bit-identical"
+
+
+def resume_run(ckpt_path: Path | None) -> RLVRModule:
+    """The 3-step run the old checkpoint was cut from, from scratch (``None``) or resumed from ``ckpt_path``."""
+    pl.seed_everything(0, verbose=False)
+    data = RolloutDataModule(source=BuiltinTask("addition"), prompts_per_step=4, group_size=4, max_new_tokens=4,
+                             val_samples=0, verifier_workers=1)
+    module = RLVRModule(model="builtin:tiny", learning_rate=1e-2, micro_batch_size=8, kl_coef=0.05)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, callbacks=[AdaptiveEntropy(init_coef=0.005, gate=False)])
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return module
+
+
+def test_a_checkpoint_from_before_the_split_resumes_exactly():
+    """The checkpoint loads into today's classes and its run continues to the parameters the uninterrupted run (as
+    recorded by the code that wrote it) reached."""
+    golden = load_golden()
+    if RECORD:
+        golden["resume"] = fingerprint(resume_run(None))
+        GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+        return
+    module = resume_run(OLD_CHECKPOINT)
+    assert module.policy_version == 3
+    measured, recorded = fingerprint(module), golden["resume"]
+    for got, want in zip(measured["projections"], recorded["projections"]):
+        assert same_value(want, got, golden["platform"] == platform_key()), "the resumed run ended elsewhere"
+    if golden["platform"] == platform_key():
+        assert measured["sha256"] == recorded["sha256"]
 
 
 def test_the_golden_configurations_change_the_parameters():
