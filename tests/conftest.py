@@ -77,6 +77,8 @@ class ListSource(PromptSource):
         return self.problems
 
 
-def fake_trainer(policy_version: int = 0):
-    """The two attributes of a Trainer that RolloutDataModule.rollout uses."""
-    return types.SimpleNamespace(lightning_module=types.SimpleNamespace(policy=None, policy_version=policy_version))
+def fake_policy(policy=None, policy_version: int = 0):
+    """A :class:`~lightning_rlvr.data.policy_handle.PolicyHandle` without a LightningModule: what
+    ``RolloutDataModule.connect(..., policy=...)`` needs of the policy outside a fit."""
+    return types.SimpleNamespace(policy=policy, policy_version=policy_version, device=torch.device("cpu"),
+                                 wants_behaviour_stats=lambda: False)

@@ -47,8 +47,7 @@ def frozen_rollout(model_dir: str, temperature: float = 1.0) -> RolloutBatch:
     module = RLVRModule(model=model_dir)
     module.configure_model()
     dm = reverse_data(temperature=temperature)
-    dm.connect(module.tokenizer)
-    dm.trainer = type("T", (), {"lightning_module": module})()
+    dm.connect(module.tokenizer, policy=module)
     torch.manual_seed(0)
     batch = dm.rollout(dm.source.train_problems()[:8])
     # A random policy never solves the task; alternate rewards so that every group has a learning signal.

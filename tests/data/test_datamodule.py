@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from lightning_rlvr.data import RolloutDataModule
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers import CallableVerifier
-from tests.conftest import ListSource, ScriptedEngine, fake_trainer
+from tests.conftest import ListSource, ScriptedEngine, fake_policy
 
 EOS, PAD, UNK, BOS = 2, 0, 3, 1
 
@@ -26,8 +26,7 @@ def tokenizer(tiny_model_dir):
 def make_dm(tokenizer, completions, problems=None, **kwargs):
     problems = problems or [Problem("5+7=", "12"), Problem("1+1=", "2")]
     dm = RolloutDataModule(source=ListSource(problems), engine=ScriptedEngine(completions), **kwargs)
-    dm.connect(tokenizer)
-    dm.trainer = fake_trainer()
+    dm.connect(tokenizer, policy=fake_policy())
     return dm
 
 
@@ -111,7 +110,7 @@ def test_engine_is_synced_only_when_the_policy_version_changes(tokenizer):
     dm.rollout(dm.source.train_problems())
     dm.rollout(dm.source.train_problems())
     assert dm.engine.synced == [0]
-    dm.trainer.lightning_module.policy_version = 3
+    dm.policy_handle.policy_version = 3
     batch = dm.rollout(dm.source.train_problems())
     assert dm.engine.synced == [0, 3]
     assert batch.policy_version == 3
@@ -200,17 +199,17 @@ def test_train_order_is_the_default_shuffle_and_resumes_mid_epoch():
 
 def test_sharded_dynamic_sampling_runs_idle_rounds_until_every_rank_is_done(tokenizer, monkeypatch):
     """A sharded policy generates collectively: a rank that is done generates (and discards) until all are done."""
-    import lightning_rlvr.data.datamodule as datamodule
+    import lightning_rlvr.data.dynamic_sampling as dynamic_sampling
 
     ok12, ok2, bad = digits("12") + [EOS], digits("2") + [EOS], digits("99") + [EOS]
     dm = make_dm(tokenizer, [ok12, bad, ok2, bad], prompts_per_step=2, group_size=2, dynamic_sampling=True,
                  max_generation_rounds=3)
-    monkeypatch.setattr(datamodule, "world_size", lambda: 2)
-    monkeypatch.setattr(datamodule, "is_sharded", lambda policy: True)
+    monkeypatch.setattr(dynamic_sampling, "world_size", lambda: 2)
+    monkeypatch.setattr(dynamic_sampling, "is_sharded", lambda policy: True)
     others_done = iter([False, False, True])  # the other rank needs two more rounds
     asked = []
-    monkeypatch.setattr(RolloutDataModule, "_all_ranks_done",
-                        lambda self, done: asked.append(done) or next(others_done))
+    monkeypatch.setattr(dynamic_sampling, "all_ranks_done",
+                        lambda done, device: asked.append(done) or next(others_done))
     batch = dm.rollout(dm.source.train_problems())
     assert dm.engine.calls == [(2, 2), (1, 2), (1, 2)]  # one real round, then two idle rounds of one prompt
     assert asked == [True, True, True]
@@ -222,10 +221,12 @@ def test_unsharded_dynamic_sampling_never_synchronises_rounds(tokenizer, monkeyp
     ok12, ok2, bad = digits("12") + [EOS], digits("2") + [EOS], digits("99") + [EOS]
     dm = make_dm(tokenizer, [ok12, bad, ok2, bad], prompts_per_step=2, group_size=2, dynamic_sampling=True)
 
-    def no_collective(self, done):
+    import lightning_rlvr.data.dynamic_sampling as dynamic_sampling
+
+    def no_collective(done, device):
         raise AssertionError("a replicated policy (DDP) generates independently: no collective is needed")
 
-    monkeypatch.setattr(RolloutDataModule, "_all_ranks_done", no_collective)
+    monkeypatch.setattr(dynamic_sampling, "all_ranks_done", no_collective)
     assert len(dm.rollout(dm.source.train_problems())) == 4
 
 

@@ -19,7 +19,7 @@ from lightning_rlvr.rollout import HFEngine, VLLMEngine
 from lightning_rlvr.rollout.stops import end_of_completion, resolve_stop_token_ids
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers import CallableVerifier, ExactMatchVerifier
-from tests.conftest import ListSource, ScriptedEngine, fake_trainer
+from tests.conftest import ListSource, ScriptedEngine, fake_policy
 from tests.fake_vllm import FakeLLM, fake_sampling_params
 
 
@@ -40,8 +40,7 @@ def make_dm(chat, completions, problems, tokenizer=None, **kwargs) -> RolloutDat
     tokenizer = tokenizer or chat.tokenizer
     engine = ScriptedEngine(completions, pad_id=tokenizer.pad_token_id)
     dm = RolloutDataModule(source=ListSource(problems), engine=engine, chat_template=True, **kwargs)
-    dm.connect(tokenizer, chat.generation)
-    dm.trainer = fake_trainer()
+    dm.connect(tokenizer, chat.generation, policy=fake_policy())
     return dm
 
 
@@ -185,8 +184,7 @@ def test_engine_rows_end_on_either_stop_id_of_the_chat_checkpoint(chat, engine):
     dm = RolloutDataModule(source=ListSource(problems), engine=ENGINES[engine](),
                            verifier=CallableVerifier(accept_everything), chat_template=True,
                            prompts_per_step=4, group_size=16, max_new_tokens=24, temperature=4.0)
-    dm.connect(chat.tokenizer, chat.generation)
-    dm.trainer = types.SimpleNamespace(lightning_module=types.SimpleNamespace(policy=policy, policy_version=0))
+    dm.connect(chat.tokenizer, chat.generation, policy=fake_policy(policy))
     torch.manual_seed(0)
     batch = dm.rollout(problems)
     stops = {chat.im_end, chat.endoftext}

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_rlvr.rollout.base import SamplingConfig
 from lightning_rlvr.rollout.vllm import VLLMEngine, _vllm_llm
+from tests.conftest import fake_policy
 
 
 def make_engine(**kwargs) -> VLLMEngine:
@@ -182,8 +183,7 @@ def test_the_datamodule_carries_the_engines_logprobs_up_to_eos(policy, tiny_mode
 
     engine = make_engine()
     data = RolloutDataModule(source=OneProblem(), engine=engine, prompts_per_step=1, group_size=3, max_new_tokens=4)
-    data.connect(AutoTokenizer.from_pretrained(tiny_model_dir))
-    data.trainer = types.SimpleNamespace(lightning_module=types.SimpleNamespace(policy=policy, policy_version=0))
+    data.connect(AutoTokenizer.from_pretrained(tiny_model_dir), policy=fake_policy(policy))
     batch = data.rollout(data.source.train_problems())
     rows = [c for o in engine.llm.last_outputs for c in o.outputs]
     for i, completion in enumerate(rows):
@@ -399,9 +399,8 @@ def test_a_prompt_longer_than_max_model_len_is_named_before_generating(tiny_mode
     problems = [Problem("1+1=", "2"), Problem("12+34+5+6+7+8+9=", "81")]
     engine = make_engine(max_model_len=10)
     data = RolloutDataModule(source=ListSource(problems), engine=engine, prompts_per_step=2, group_size=2)
-    data.connect(AutoTokenizer.from_pretrained(tiny_model_dir))
-    data.trainer = types.SimpleNamespace(lightning_module=types.SimpleNamespace(
-        policy=AutoModelForCausalLM.from_pretrained(tiny_model_dir), policy_version=0))
+    data.connect(AutoTokenizer.from_pretrained(tiny_model_dir),
+                 policy=fake_policy(AutoModelForCausalLM.from_pretrained(tiny_model_dir)))
     with pytest.raises(ValueError, match=r"'12\+34\+5\+6\+7\+8\+9=' is 17 tokens long.*max_model_len"):
         data.rollout(problems)
     assert [c for c in engine.llm.calls if c[0] == "generate"] == []  # nothing was lost in vLLM
