@@ -13,6 +13,9 @@ from lightning_rlvr import BuiltinTask, RLVRModule, RolloutDataModule
 from lightning_rlvr.callbacks import SupervisedWarmStart
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.rollout.base import RolloutEngine
+from lightning_rlvr.training.stats import UpdateStats
+from lightning_rlvr.training.token_stats import PolicyScorer
+from lightning_rlvr.training.update import engine_mismatch
 
 
 def trainer(max_steps: int, **kwargs) -> pl.Trainer:
@@ -159,7 +162,7 @@ def test_auto_prompt_sharing_is_off_for_the_tiny_model_and_on_past_the_worthwhil
     module.policy.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(args[0].shape))
     module.token_stats(module.policy, batch)
     assert shapes == [batch.input_ids.shape]  # 32 rows x (prompt + completion): below 1e8 parameter-tokens
-    monkeypatch.setattr("lightning_rlvr.module.WORTHWHILE_SAVING", 1.0)
+    monkeypatch.setattr("lightning_rlvr.ops.shared_prompt.WORTHWHILE_SAVING", 1.0)
     shapes.clear()
     module.token_stats(module.policy, batch)
     assert len(shapes) == 2 and shapes[0][0] == len(batch.group_ids.unique())
@@ -422,20 +425,20 @@ def test_engine_mismatch_is_measured_and_truncated_importance_sampling_weights_t
     pl_out = ppo_clip_loss(current, old, torch.ones_like(old), 0.2, 0.2, None)
     for cap in (None, 2.0):
         module = RLVRModule(model=tiny_model_dir, engine_is_cap=cap)
-        sums: dict[str, float] = {}
-        out = module._engine_mismatch(pl_out, old, engine, mask, mask.sum(), sums)
+        stats = UpdateStats()
+        out = engine_mismatch(module.hparams, pl_out, old, engine, mask, mask.sum(), stats)
         kl = sum((e - o) for e, o, m in zip(engine.flatten().tolist(), old.flatten().tolist(),
                                             mask.flatten().tolist()) if m) / mask.sum().item()
-        assert sums["engine_kl"] == pytest.approx(kl)
+        assert stats.engine_kl == pytest.approx(kl)
         if cap is None:
-            assert out is pl_out and "tis_clip" not in sums
+            assert out is pl_out and stats.tis_clip is None and stats.mis_mask is None
             continue
         expected_weight = [[min(math.exp(o - e), cap) * m for o, e, m in zip(ro, re, rm)]
                            for ro, re, rm in zip(old.tolist(), engine.tolist(), mask.tolist())]
         torch.testing.assert_close(out.loss, pl_out.loss * torch.tensor(expected_weight))
         over = [(math.exp(o - e) > cap) * m for o, e, m in zip(old.flatten().tolist(), engine.flatten().tolist(),
                                                               mask.flatten().tolist())]
-        assert sums["tis_clip"] == pytest.approx(sum(over) / mask.sum().item())  # 2 of 5 valid tokens here
+        assert stats.tis_clip == pytest.approx(sum(over) / mask.sum().item())  # 2 of 5 valid tokens here
     with pytest.raises(ValueError, match="engine_is_cap"):
         RLVRModule(model=tiny_model_dir, engine_is_cap=0.0)
     with pytest.raises(ValueError, match="engine_is_mode"):
@@ -452,8 +455,8 @@ def test_every_engine_importance_sampling_mode_weights_the_loss_and_counts_its_t
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     pl_out = ppo_clip_loss(old + 0.1, old, torch.ones_like(old), 0.2, 0.2, None)
     module = RLVRModule(model=tiny_model_dir, engine_is_cap=2.0, engine_is_mode=mode)
-    sums: dict[str, float] = {}
-    out = module._engine_mismatch(pl_out, old, engine, mask, mask.sum(), sums)
+    stats = UpdateStats()
+    out = engine_mismatch(module.hparams, pl_out, old, engine, mask, mask.sum(), stats)
     # Row ratios: exp(0.5 - 1.5 + 0) = e^-1 (outside [1/2, 2]), exp(0 - 0.2) = e^-0.2, exp(0.1) (both inside);
     # token ratios outside [1/2, 2]: e^-1.5 (row 0).
     if mode == "sequence_truncate":
@@ -466,7 +469,8 @@ def test_every_engine_importance_sampling_mode_weights_the_loss_and_counts_its_t
         weight = [[math.exp(0.5), 0.0, 1.0], [1.0, math.exp(-0.2), 0.0], [1.0, 1.0, math.exp(0.1)]]
         affected = 1
     torch.testing.assert_close(out.loss, pl_out.loss * torch.tensor(weight))
-    assert sums[key] == pytest.approx(affected / mask.sum().item())
+    assert getattr(stats, key) == pytest.approx(affected / mask.sum().item())
+    assert getattr(stats, "mis_mask" if key == "tis_clip" else "tis_clip") is None
 
 
 def test_behaviour_stats_from_the_decoding_loop_replace_the_no_grad_pass(tiny_model_dir, monkeypatch):
@@ -475,8 +479,8 @@ def test_behaviour_stats_from_the_decoding_loop_replace_the_no_grad_pass(tiny_mo
     from lightning_rlvr.rollout import HFEngine
 
     params, passes, calls = [], [], []
-    original = RLVRModule._no_grad_stats
-    monkeypatch.setattr(RLVRModule, "_no_grad_stats", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    original = PolicyScorer.no_grad_stats
+    monkeypatch.setattr(PolicyScorer, "no_grad_stats", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     for behaviour_stats in (True, False):
         calls.clear()
         pl.seed_everything(0)

@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning_rlvr import RLVRModule
 from lightning_rlvr.callbacks import SupervisedWarmStart
 from lightning_rlvr.cli import build_cli
+from lightning_rlvr.training.loading import prepare_deepspeed
 from lightning_rlvr.sharding import block_classes, full_weights, global_grad_norm, is_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +96,7 @@ def test_max_grad_norm_becomes_deepspeed_gradient_clipping_and_zero3_switches_on
 
     cli = deepspeed_cli("--model.max_grad_norm", "0.7")
     attach(cli)
-    hf_config = cli.model._prepare_deepspeed(cli.trainer.strategy)
+    hf_config = prepare_deepspeed(cli.trainer.strategy, cli.model.hparams.max_grad_norm)
     assert cli.trainer.strategy.config["gradient_clipping"] == 0.7
     assert is_deepspeed_zero3_enabled()  # from_pretrained now loads into ZeRO-3 partitions
     del hf_config
@@ -103,7 +104,7 @@ def test_max_grad_norm_becomes_deepspeed_gradient_clipping_and_zero3_switches_on
 
     zero2 = deepspeed_cli("--trainer.strategy.init_args.stage", "2")
     attach(zero2)
-    assert zero2.model._prepare_deepspeed(zero2.trainer.strategy) is None
+    assert prepare_deepspeed(zero2.trainer.strategy, zero2.model.hparams.max_grad_norm) is None
 
 
 @requires_deepspeed
@@ -112,7 +113,7 @@ def test_a_conflicting_deepspeed_gradient_clipping_is_refused_naming_max_grad_no
     attach(cli)
     cli.trainer.strategy.config["gradient_clipping"] = 5.0
     with pytest.raises(ValueError, match="max_grad_norm"):
-        cli.model._prepare_deepspeed(cli.trainer.strategy)
+        prepare_deepspeed(cli.trainer.strategy, cli.model.hparams.max_grad_norm)
 
 
 @requires_deepspeed

@@ -153,7 +153,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.extra_stop_token_ids = tuple(stop_token_ids or ())
         self.stop_token_ids: tuple[int, ...] = ()  # resolved in connect()
         self.end_token_id: int | None = None
-        self.rounds = RoundSettings(prompts_per_step, group_size, dynamic_sampling, max_generation_rounds)
+        self.round_settings = RoundSettings(prompts_per_step, group_size, dynamic_sampling, max_generation_rounds)
         self.val_batch_size = val_batch_size
         self.val_max_prompts = val_max_prompts
         self.val_samples = val_samples
@@ -326,12 +326,12 @@ class RolloutDataModule(pl.LightningDataModule):
         """Generate, verify and refill (dynamic sampling) ``problems`` with the engine's weights (``version``): the
         kept rows and the rollout's statistics (no collective but the lockstep of sharded generation)."""
         handle = self.policy_handle
-        lockstep = needs_lockstep(self.rounds.dynamic_sampling, handle.policy, self.engine)
+        lockstep = needs_lockstep(self.round_settings.dynamic_sampling, handle.policy, self.engine)
         generated = generate_rounds(
             run_round=lambda pending, first_group: self._score(pending, self.group_size, sampling, first_group),
             idle_round=lambda: self.engine.generate([self.prompt_ids(problems[0])], self.group_size, sampling),
             refill=lambda missing: self._refill_rng.sample(self.source.train_problems(), missing),
-            problems=problems, version=version, settings=self.rounds,
+            problems=problems, version=version, settings=self.round_settings,
             shaped_rewards=lambda rows: self.scorer.shaped_rewards(rows, self.sampling.max_new_tokens),
             lockstep_device=handle.device if lockstep else None)
         self.engine.release()  # all rounds are generated: the update may have the memory

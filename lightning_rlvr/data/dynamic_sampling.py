@@ -51,7 +51,8 @@ def all_ranks_done(done: bool, device: torch.device) -> bool:
 
 
 def generate_rounds(run_round: Round, idle_round: Callable[[], object], refill: Callable[[int], list[Problem]],
-                    problems: list[Problem], version: int, settings: RoundSettings, shaped_rewards,
+                    problems: list[Problem], version: int, settings: RoundSettings,
+                    shaped_rewards: Callable[[list[ScoredCompletion]], torch.Tensor],
                     lockstep_device: torch.device | None = None) -> GeneratedRollout:
     """Run the rounds of one rollout of ``problems`` and keep its rows.
 
