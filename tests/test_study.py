@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from lightning_rlvr.study import StudyConfigError, finished_runs, load_study, validate_runs
 from lightning_rlvr.study import report as study_report
+from lightning_rlvr.study import summaries as study_summaries
 from lightning_rlvr.study.__main__ import main
 from lightning_rlvr.study.config import config_overrides, merge_method
 from lightning_rlvr.study.report import (
@@ -281,13 +282,13 @@ def test_findings_apply_their_stated_rules():
 def test_balanced_sign_agreement_scores_a_constant_forecast_one_half_and_correlation_matches_numpy():
     rng = np.random.default_rng(0)
     observed = rng.normal(-0.5, 1.0, 400)  # mostly falls
-    assert study_report._balanced_sign_agreement(np.full(400, -1.0), observed) == 0.5
-    assert study_report._balanced_sign_agreement(observed, observed) == 1.0
+    assert study_summaries._balanced_sign_agreement(np.full(400, -1.0), observed) == 0.5
+    assert study_summaries._balanced_sign_agreement(observed, observed) == 1.0
     noisy = observed + rng.normal(0, 1.0, 400)
     rises = observed > 0
     expected = ((noisy[rises] > 0).mean() + (noisy[~rises] <= 0).mean()) / 2
-    assert study_report._balanced_sign_agreement(noisy, observed) == pytest.approx(expected)
-    assert study_report._correlation(noisy, observed) == pytest.approx(np.corrcoef(noisy, observed)[0, 1])
+    assert study_summaries._balanced_sign_agreement(noisy, observed) == pytest.approx(expected)
+    assert study_summaries._correlation(noisy, observed) == pytest.approx(np.corrcoef(noisy, observed)[0, 1])
 
 
 def test_spearman_against_the_rank_difference_formula_and_exact_permutations():
