@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from test_distributed_fit import distributed_worker, spawn_two
+from tests.two_ranks import distributed_worker, spawn_two
 from test_module import reverse_data, trainer
 
 from lightning_rlvr import RLVRModule

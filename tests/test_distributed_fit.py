@@ -8,10 +8,7 @@
 
 from __future__ import annotations
 
-import functools
 import os
-import socket
-import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -32,6 +29,7 @@ from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine
 from lightning_rlvr.sharding import full_weights, is_sharded
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers import CallableVerifier
+from tests.two_ranks import distributed_worker, free_port, spawn_two
 
 pytestmark = pytest.mark.slow  # multi-process or subprocess runs (deselect with -m "not slow")
 
@@ -132,59 +130,11 @@ def fit(model_dir: str, world: int, strategy: str = "ddp", logger=None, max_step
             for name, tensor in bucket}
 
 
-def distributed_worker(body):
-    """Run ``body(rank, port, ...)`` as rank ``rank`` of 2 on this machine, and leave the process group cleanly.
-
-    The environment is what a launcher sets (Lightning then joins the process group). Leaving it explicitly
-    matters: a process that exits with the group alive can abort in its C++ teardown ("terminate called without an
-    active exception"), which failed a CI run after the test's own work was done.
-    """
-
-    @functools.wraps(body)
-    def run(rank: int, port: int, *args) -> None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                          LOCAL_RANK=str(rank), NODE_RANK="0")
-        torch.set_num_threads(1)
-        try:
-            body(rank, port, *args)
-        finally:
-            if torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
-        # Only interpreter and C++ teardown is left, and it can still abort (SIGABRT, seen once in 3 CI runs of the
-        # FSDP2 resume test after its files were written): leave without it, successfully.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-    return run
-
-
 @distributed_worker
 def worker(rank: int, port: int, model_dir: str, out_dir: str, strategy: str, lora: dict | None = None) -> None:
     logger = InMemoryLogger()
     weights = fit(model_dir, 2, strategy, logger, lora=lora)
     torch.save({"weights": weights, "history": logger.history}, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_two(worker_fn, *args, attempts: int = 3) -> None:
-    """``mp.spawn`` two ranks on a free port, again on another one if the port was taken in between.
-
-    ``free_port`` releases the port it found before rank 0's store binds it; another process may take it meanwhile
-    (a time-of-check/time-of-use race), which shows up as "address already in use".
-    """
-    for attempt in range(attempts):
-        try:
-            mp.spawn(worker_fn, args=(free_port(), *args), nprocs=2, join=True)
-            return
-        except mp.ProcessRaisedException as err:
-            if "address already in use" not in str(err).lower() or attempt == attempts - 1:
-                raise
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

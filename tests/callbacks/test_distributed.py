@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_rlvr.callbacks import OPEFO, STEER, ClipCov, KLCov, PositionShaping, TopEntropyTokens
 from lightning_rlvr.distributed import all_max, all_sum, all_union, gather_cat
 from lightning_rlvr.metrics.entropy_analysis import BucketedMean, position_buckets, rank_buckets
+from tests.two_ranks import two_rank_results
 
 from .helpers import micro_context, step_context
 
@@ -65,28 +62,21 @@ def steer_outputs(rows):
     return weights, {k: v for k, v in step.metrics.means().items() if k.startswith(("steer/", "opefo/"))}
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        torch.set_num_threads(1)
-        values, offset = gather_cat(torch.arange(3 + rank, dtype=torch.float32) + 10 * rank)
-        names = all_union({"correct", "format"} if rank == 0 else {"correct", "length"})  # reward components
-        rows = torch.arange(4) + 4 * rank
-        clip, top, kl = outputs(rows)
-        kl_sum = all_sum(kl.detach())  # the ranks' losses add up to the whole batch's
-        shaped, buckets, by_position, max_adv = stage_outputs(rows)
-        steer, steer_metrics = steer_outputs(rows)
-        torch.save({"values": values, "offset": offset, "names": names, "clip": clip, "top": top, "kl_sum": kl_sum,
-                    "shaped": shaped, "buckets": buckets, "by_position": by_position, "max_adv": max_adv,
-                    "steer": steer, "steer_metrics": steer_metrics},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def rank_outputs(rank: int) -> dict:
+    values, offset = gather_cat(torch.arange(3 + rank, dtype=torch.float32) + 10 * rank)
+    names = all_union({"correct", "format"} if rank == 0 else {"correct", "length"})  # reward components
+    rows = torch.arange(4) + 4 * rank
+    clip, top, kl = outputs(rows)
+    kl_sum = all_sum(kl.detach())  # the ranks' losses add up to the whole batch's
+    shaped, buckets, by_position, max_adv = stage_outputs(rows)
+    steer, steer_metrics = steer_outputs(rows)
+    return {"values": values, "offset": offset, "names": names, "clip": clip, "top": top, "kl_sum": kl_sum,
+            "shaped": shaped, "buckets": buckets, "by_position": by_position, "max_adv": max_adv, "steer": steer,
+            "steer_metrics": steer_metrics}
 
 
 def test_two_ranks_select_the_same_tokens_as_one_process_on_the_whole_batch(tmp_path):
-    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = two_rank_results(rank_outputs, tmp_path)
     expected_values = torch.tensor([0.0, 1.0, 2.0, 10.0, 11.0, 12.0, 13.0])
     for r, result in enumerate(ranks):
         assert torch.equal(result["values"], expected_values)

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_rlvr.callbacks import EPGRPO, HAPO, PAEC
 from lightning_rlvr.distributed import all_sum
 from lightning_rlvr.metrics.rcea import CovarianceTailConcentration, PairedEntropyRatio, StratifiedEntropy
+from tests.two_ranks import two_rank_results
 
 from .helpers import micro_context, step_context
 
@@ -69,20 +66,13 @@ def intervention_outputs(rows):
     return out
 
 
-def worker(rank: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        torch.set_num_threads(1)
-        rows = torch.arange(4) + 4 * rank
-        torch.save({"metrics": metric_outputs(rows), "interventions": intervention_outputs(rows)},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def rank_outputs(rank: int) -> dict:
+    rows = torch.arange(4) + 4 * rank
+    return {"metrics": metric_outputs(rows), "interventions": intervention_outputs(rows)}
 
 
 def test_two_ranks_equal_one_process(tmp_path):
-    mp.spawn(worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = two_rank_results(rank_outputs, tmp_path)
     single_metrics = metric_outputs(torch.arange(ROWS))
     assert single_metrics[1]["paired"] > 0
     for result in ranks:  # compute() on every rank gives the whole data's value

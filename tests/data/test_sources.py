@@ -243,3 +243,14 @@ def test_a_directory_that_is_not_a_dataset_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="not a Hugging Face datasets directory"):
         load_problems(tmp_path / "empty")
+
+
+def test_builtin_task_takes_exactly_the_arguments_of_the_task_it_wraps():
+    """``BuiltinTask`` repeats ``ArithmeticTask``'s signature (jsonargparse reads a config's keys off it): the two
+    must not drift apart."""
+    import inspect
+
+    def described(cls):
+        return [(p.name, p.default, str(p.annotation)) for p in inspect.signature(cls).parameters.values()]
+
+    assert described(BuiltinTask) == described(ArithmeticTask)

@@ -293,35 +293,25 @@ def test_per_question_rows_are_the_log_ratios_with_their_ids_and_counts():
     assert metric.compute()["geometric_mean"].item() == pytest.approx(math.exp(rows["log_ratio"].mean().item()))
 
 
-def _per_question_worker(rank: int, init_file: str, out_dir: str) -> None:
-    import os
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        data = batches(n_batches=2)
-        metric, idle = PairedEntropyRatio(), PairedEntropyRatio()
-        for entropy, mask, correct, questions in data:
-            rows = slice(0, 5) if rank == 0 else slice(5, None)  # unequal shards
-            metric.update(entropy[rows], mask[rows], correct[rows], questions[rows])
-        if rank == 0:  # a rank without data updates with typed empty tensors (as RCEADiagnostics does)
-            idle.update(*(t[:6] for t in data[0]))
-        else:
-            idle.update(torch.zeros(0, 1), torch.zeros(0, 1), torch.zeros(0, dtype=torch.bool),
-                        torch.zeros(0, dtype=torch.long))
-        torch.save({"rows": metric.per_question(), "local": metric.log_ratios(), "idle": idle.per_question()},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def per_question_outputs(rank: int) -> dict:
+    data = batches(n_batches=2)
+    metric, idle = PairedEntropyRatio(), PairedEntropyRatio()
+    for entropy, mask, correct, questions in data:
+        rows = slice(0, 5) if rank == 0 else slice(5, None)  # unequal shards
+        metric.update(entropy[rows], mask[rows], correct[rows], questions[rows])
+    if rank == 0:  # a rank without data updates with typed empty tensors (as RCEADiagnostics does)
+        idle.update(*(t[:6] for t in data[0]))
+    else:
+        idle.update(torch.zeros(0, 1), torch.zeros(0, 1), torch.zeros(0, dtype=torch.bool),
+                    torch.zeros(0, dtype=torch.long))
+    return {"rows": metric.per_question(), "local": metric.log_ratios(), "idle": idle.per_question()}
 
 
 @pytest.mark.slow
 def test_per_question_gathers_every_ranks_rows_under_ddp(tmp_path):
-    import torch.multiprocessing as mp
+    from tests.two_ranks import two_rank_results
 
-    mp.spawn(_per_question_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    results = two_rank_results(per_question_outputs, tmp_path)
     whole = PairedEntropyRatio()
     for entropy, mask, correct, questions in batches(n_batches=2):
         whole.update(entropy, mask, correct, questions)

@@ -199,39 +199,32 @@ def test_gradient_matches_naive_reference_function(temperature):
     torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-5)
 
 
-def test_entropy_is_detached_by_default_and_only_logprobs_carry_gradient():
+def test_entropy_is_detached_by_default():
     logits, labels = _inputs(12)
-    z = logits.clone().requires_grad_(True)
-    out = token_logprobs_and_entropy(z, labels, temperature=0.8, chunk_size=4)
+    out = token_logprobs_and_entropy(logits.clone().requires_grad_(True), labels, temperature=0.8, chunk_size=4)
     assert out.logprobs.requires_grad
     assert not out.entropy.requires_grad
-    g_lp = torch.randn(labels.shape, generator=torch.Generator().manual_seed(120))
-    (grad,) = torch.autograd.grad((out.logprobs * g_lp).sum(), z)
-    zr = logits.double().requires_grad_(True)
-    lp, _ = ref_autograd(zr, labels, 0.8)
-    (ref,) = torch.autograd.grad((lp * g_lp.double()).sum(), zr)
-    torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_logprob_gradient_with_entropy_disabled_matches_reference():
-    logits, labels = _inputs(13)
+# (seed, kernel arguments, the differentiated output, upstream gradient seed or None for a plain sum)
+GRADIENT_CASES = {
+    "logprobs, entropy detached": (12, {"temperature": 0.8, "chunk_size": 4}, "logprobs", 120),
+    "logprobs, entropy disabled": (13, {"with_entropy": False, "entropy_grad": True}, "logprobs", None),
+    "entropy only": (14, {"temperature": 1.2, "entropy_grad": True}, "entropy", None),
+}
+
+
+@pytest.mark.parametrize("seed, kwargs, output, upstream_seed", GRADIENT_CASES.values(), ids=GRADIENT_CASES.keys())
+def test_gradient_of_one_output_matches_the_float64_autograd_reference(seed, kwargs, output, upstream_seed):
+    logits, labels = _inputs(seed)
+    upstream = (torch.ones(labels.shape) if upstream_seed is None
+                else torch.randn(labels.shape, generator=torch.Generator().manual_seed(upstream_seed)))
     z = logits.clone().requires_grad_(True)
-    out = token_logprobs_and_entropy(z, labels, with_entropy=False, entropy_grad=True)
-    (grad,) = torch.autograd.grad(out.logprobs.sum(), z)
+    out = token_logprobs_and_entropy(z, labels, **kwargs)
+    (grad,) = torch.autograd.grad((getattr(out, output) * upstream).sum(), z)
     zr = logits.double().requires_grad_(True)
-    lp, _ = ref_autograd(zr, labels, 1.0)
-    (ref,) = torch.autograd.grad(lp.sum(), zr)
-    torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-5)
-
-
-def test_entropy_only_gradient_matches_reference():
-    logits, labels = _inputs(14)
-    z = logits.clone().requires_grad_(True)
-    out = token_logprobs_and_entropy(z, labels, temperature=1.2, entropy_grad=True)
-    (grad,) = torch.autograd.grad(out.entropy.sum(), z)
-    zr = logits.double().requires_grad_(True)
-    _, h = ref_autograd(zr, labels, 1.2)
-    (ref,) = torch.autograd.grad(h.sum(), zr)
+    lp, h = ref_autograd(zr, labels, kwargs.get("temperature", 1.0))
+    (ref,) = torch.autograd.grad(((lp if output == "logprobs" else h) * upstream.double()).sum(), zr)
     torch.testing.assert_close(grad.double(), ref, rtol=1e-5, atol=1e-5)
 
 

@@ -9,7 +9,7 @@ from shutil import copytree
 import pytest
 import torch
 from fake_vllm_server import FakeVLLMServer, GlooWeightTransport
-from test_distributed_fit import distributed_worker, spawn_two
+from tests.two_ranks import distributed_worker, spawn_two
 from test_process_engine import sampled_logprobs, valid
 from transformers import AutoModelForCausalLM, GenerationConfig
 
