@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,53 @@ def test_kernels_import_without_lightning_or_transformers():
             "print(sorted(m for m in ('lightning', 'transformers', 'lightning_rlvr.module') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_an_engine_process_and_the_command_line_start_without_lightning_or_transformers():
+    """``ProcessEngine``'s decoding process imports its module; ``lightning_rlvr prepare-model`` and ``export`` import
+    the command line: neither should pay for Lightning (~5 s) before it needs it."""
+    code = ("import sys, lightning_rlvr.rollout.process, lightning_rlvr.cli; "
+            "print(sorted(m for m in ('lightning', 'transformers', 'lightning_rlvr.module') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def module_imports() -> dict[str, set[str]]:
+    """Each module of the package and the package modules it imports when it is imported (module level, outside
+    ``if TYPE_CHECKING``; an import inside a function runs only when it is called)."""
+    root = Path(lightning_rlvr.__file__).parent
+    names = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in root.rglob("*.py")}
+
+    def module_of(name: str) -> str | None:
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        imported: set[str | None] = set()
+        for statement in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(statement, ast.If) and "TYPE_CHECKING" in ast.unparse(statement.test):
+                continue
+            for node in ast.walk(statement) if isinstance(statement, (ast.If, ast.Try)) else [statement]:
+                if isinstance(node, ast.Import):
+                    imported |= {module_of(a.name) for a in node.names if a.name.startswith("lightning_rlvr")}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith(
+                        "lightning_rlvr"):
+                    imported |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names
+                                 else module_of(node.module) for a in node.names}
+        graph[name] = imported - {None, name}
+    return graph
+
+
+def test_the_import_graph_has_no_cycle():
+    """Every import points downward: a topological order of the package's modules exists."""
+    graph = module_imports()
+    assert {"lightning_rlvr.module", "lightning_rlvr.training.update", "lightning_rlvr.data.datamodule"} <= set(graph)
+    assert "lightning_rlvr.training.update" in graph["lightning_rlvr.module"]
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError, naming the cycle
+    assert set(order) >= set(graph)
 
 
 def test_top_level_names_are_the_classes_of_their_modules():

@@ -1,12 +1,38 @@
 """Rollout engines: Hugging Face ``generate`` (CPU / small models; in the trainer's process or its own), colocated
-vLLM (GPUs, extra ``[vllm]``) and a vLLM server (``vllm serve`` on other GPUs or machines)."""
+vLLM (GPUs, extra ``[vllm]``) and a vLLM server (``vllm serve`` on other GPUs or machines).
+
+The engines are imported on first use (PEP 562): ``ProcessEngine``'s decoding process imports only ``HFEngine``'s
+module, not Lightning, which ``VLLMEngine``'s does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
-from lightning_rlvr.rollout.hf import HFEngine
-from lightning_rlvr.rollout.process import ProcessEngine
-from lightning_rlvr.rollout.server import VLLMServerEngine
 from lightning_rlvr.rollout.stops import end_of_completion, resolve_stop_token_ids
-from lightning_rlvr.rollout.vllm import VLLMEngine
+
+if TYPE_CHECKING:
+    from lightning_rlvr.rollout.hf import HFEngine
+    from lightning_rlvr.rollout.process import ProcessEngine
+    from lightning_rlvr.rollout.server import VLLMServerEngine
+    from lightning_rlvr.rollout.vllm import VLLMEngine
 
 __all__ = ["GenerationOutput", "HFEngine", "ProcessEngine", "RolloutEngine", "SamplingConfig", "VLLMEngine",
            "VLLMServerEngine", "end_of_completion", "resolve_stop_token_ids"]
+
+_HOMES = {"HFEngine": "lightning_rlvr.rollout.hf", "ProcessEngine": "lightning_rlvr.rollout.process",
+          "VLLMServerEngine": "lightning_rlvr.rollout.server", "VLLMEngine": "lightning_rlvr.rollout.vllm"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lightning_rlvr.rollout' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])
