@@ -24,7 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-DOCUMENTED_PACKAGES = ["callbacks", "algorithms", "metrics", "verifiers", "data", "rollout"]
+DOCUMENTED_PACKAGES = ["callbacks", "algorithms", "metrics", "verifiers", "data", "rollout", "training"]
 
 
 def _public_names() -> set[str]:
