@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from lightning_rlvr.lazy import lazy_names
 
 if TYPE_CHECKING:
     from lightning_rlvr.data import BuiltinTask, FileSource, RolloutBatch, RolloutDataModule
@@ -19,14 +20,4 @@ _HOMES = {"BuiltinTask": "lightning_rlvr.data", "FileSource": "lightning_rlvr.da
           "RolloutBatch": "lightning_rlvr.data", "RolloutDataModule": "lightning_rlvr.data",
           "RLVRModule": "lightning_rlvr.module", "LoRA": "lightning_rlvr.lora"}
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'lightning_rlvr' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, globals())

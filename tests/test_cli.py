@@ -65,6 +65,17 @@ def test_every_config_trains_for_two_rollout_steps(config, tmp_path, monkeypatch
     if config.name in GPU_ONLY:
         pytest.skip("DeepSpeed trains on CUDA GPUs only (scripts/gpu_check_strategies.py runs this config)")
     monkeypatch.chdir(ROOT)  # configs name files relative to the repository root (examples/)
+    # A config's warm start (up to 600 supervised steps, most of this test's time) runs 2 steps here: its path and
+    # hand-over to RL are what this test checks; tests/test_module.py checks what a warm start learns.
+    from lightning_rlvr.callbacks import SupervisedWarmStart
+
+    configured_warm_start = SupervisedWarmStart.on_fit_start
+
+    def two_step_warm_start(self, trainer, pl_module):
+        self.steps = min(self.steps, 2)
+        return configured_warm_start(self, trainer, pl_module)
+
+    monkeypatch.setattr(SupervisedWarmStart, "on_fit_start", two_step_warm_start)
     settings = yaml.safe_load(config.read_text())
     model, data = settings.get("model", {}), settings.get("data", {})
     completions = data.get("prompts_per_step", 16) * data.get("group_size", 8)

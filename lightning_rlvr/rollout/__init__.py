@@ -7,9 +7,9 @@ module, not Lightning, which ``VLLMEngine``'s does.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lightning_rlvr.lazy import lazy_names
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
 from lightning_rlvr.rollout.stops import end_of_completion, resolve_stop_token_ids
 
@@ -26,13 +26,4 @@ _HOMES = {"HFEngine": "lightning_rlvr.rollout.hf", "ProcessEngine": "lightning_r
           "VLLMServerEngine": "lightning_rlvr.rollout.server", "VLLMEngine": "lightning_rlvr.rollout.vllm"}
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'lightning_rlvr.rollout' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, globals())
