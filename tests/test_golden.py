@@ -81,10 +81,12 @@ CONFIGS = {
 
 
 def platform_key() -> str:
-    """What decides float rounding here: the torch build, its CPU kernels and the processor."""
+    """What decides float rounding here: the torch build, its CPU kernels, the processor and the threads."""
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return f"torch {torch.__version__} | {torch.backends.cpu.get_cpu_capability()} | {platform.machine()} | {cpu}"
+    # The thread count too: float sums split across threads round differently (1 and 2 threads differ by ~1e-8).
+    return (f"torch {torch.__version__} | {torch.backends.cpu.get_cpu_capability()} | {platform.machine()} | {cpu} "
+            f"| {torch.get_num_threads()} threads")
 
 
 def fingerprint(module: RLVRModule) -> dict:
