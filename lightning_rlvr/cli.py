@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from lightning_rlvr.lightning_cli import RLVRCLI, MLflowSaveConfigCallback
 
-__all__ = ["MLflowSaveConfigCallback", "RLVRCLI", "build_cli", "main"]
+__all__ = ["USAGE", "MLflowSaveConfigCallback", "RLVRCLI", "build_cli", "main"]
 
 
 def __getattr__(name: str) -> Any:
@@ -45,15 +45,34 @@ def build_cli(args: ArgsType = None, run: bool = True) -> RLVRCLI:
     return build(args, run)
 
 
+USAGE = """usage: lightning_rlvr SUBCOMMAND [options]
+
+Reinforcement learning with verifiable rewards on PyTorch Lightning.
+
+subcommands:
+  fit            train: lightning_rlvr fit --config configs/quickstart.yaml
+  validate       evaluate a checkpoint on the held-out problems (--ckpt_path)
+  test           Lightning's test loop
+  predict        Lightning's predict loop
+  export         write a checkpoint's policy as a PEFT adapter or a plain model (--ckpt_path, --output)
+  prepare-model  build the local cache of a packaged model (smollm2-135m-instruct)
+
+lightning_rlvr SUBCOMMAND --help lists a subcommand's options (for fit: every config key)."""
+
+
 def main(args: ArgsType = None) -> None:
     """Entry point of the ``lightning_rlvr`` console script (``args`` for tests and notebooks).
 
     ``lightning_rlvr export --ckpt_path ... --output ...`` writes a checkpoint's policy as a PEFT adapter or a plain
     model (:mod:`lightning_rlvr.export`); ``lightning_rlvr prepare-model NAME`` builds the cache of
-    ``builtin:NAME`` (:mod:`lightning_rlvr.models.smollm2`); every other subcommand is Lightning's. Returns ``None`` on
-    purpose: a console script passes the return value to ``sys.exit``.
+    ``builtin:NAME`` (:mod:`lightning_rlvr.models.smollm2`); every other subcommand is Lightning's. Without a
+    subcommand, or with only ``--help``, it prints :data:`USAGE`. Returns ``None`` on purpose: a console script passes
+    the return value to ``sys.exit``.
     """
     arguments = list(sys.argv[1:] if args is None else args)
+    if arguments in ([], ["--help"], ["-h"]):  # the subcommands, without loading Lightning to list them
+        print(USAGE)
+        return
     if arguments[:1] == ["export"]:
         from lightning_rlvr.export import main as export
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -175,10 +176,18 @@ def test_main_returns_none_so_the_console_script_exits_zero(tmp_path, monkeypatc
 
 
 def test_python_dash_m_entry_point_prints_help():
-    result = subprocess.run([sys.executable, "-m", "lightning_rlvr", "--help"], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
-    assert result.returncode == 0
-    assert "fit" in result.stdout
+    """``--help`` lists every subcommand without loading Lightning; ``fit --help`` is LightningCLI's, with the
+    config keys."""
+    code = "import sys, runpy; sys.argv = ['lightning_rlvr', '--help']; runpy.run_module('lightning_rlvr', " \
+           "run_name='__main__'); print('lightning loaded:', 'lightning' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    subcommands = re.findall(r"^  (\S+)  ", result.stdout, re.MULTILINE)
+    assert subcommands == ["fit", "validate", "test", "predict", "export", "prepare-model"]
+    assert "lightning loaded: False" in result.stdout
+    fit_help = subprocess.run([sys.executable, "-m", "lightning_rlvr", "fit", "--help"], capture_output=True,
+                              text=True, cwd=ROOT, timeout=120)
+    assert fit_help.returncode == 0 and "--model.learning_rate" in fit_help.stdout
 
 
 def gsm8k_like_dataset(directory: Path) -> None:
