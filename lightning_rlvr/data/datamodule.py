@@ -329,7 +329,7 @@ class RolloutDataModule(pl.LightningDataModule):
         lockstep = needs_lockstep(self.round_settings.dynamic_sampling, handle.policy, self.engine)
         generated = generate_rounds(
             run_round=lambda pending, first_group: self._score(pending, self.group_size, sampling, first_group),
-            idle_round=lambda: self.engine.generate([self.prompt_ids(problems[0])], self.group_size, sampling),
+            idle_round=lambda pending: self.engine.generate([self.prompt_ids(pending[0])], self.group_size, sampling),
             refill=lambda missing: self._refill_rng.sample(self.source.train_problems(), missing),
             problems=problems, version=version, settings=self.round_settings,
             shaped_rewards=lambda rows: self.scorer.shaped_rewards(rows, self.sampling.max_new_tokens),

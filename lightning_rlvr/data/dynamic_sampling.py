@@ -50,7 +50,8 @@ def all_ranks_done(done: bool, device: torch.device) -> bool:
     return bool(-all_max(torch.tensor([-float(done)], device=device)).item())
 
 
-def generate_rounds(run_round: Round, idle_round: Callable[[], object], refill: Callable[[int], list[Problem]],
+def generate_rounds(run_round: Round, idle_round: Callable[[list[Problem]], object],
+                    refill: Callable[[int], list[Problem]],
                     problems: list[Problem], version: int, settings: RoundSettings,
                     shaped_rewards: Callable[[list[ScoredCompletion]], torch.Tensor],
                     lockstep_device: torch.device | None = None) -> GeneratedRollout:
@@ -58,7 +59,8 @@ def generate_rounds(run_round: Round, idle_round: Callable[[], object], refill: 
 
     Args:
         run_round: generates and verifies ``group_size`` completions per problem.
-        idle_round: one discarded round, while this rank waits for the others (lockstep only).
+        idle_round: ``idle_round(pending)``: one discarded round on the first of the last round's problems, while
+            this rank waits for the others (lockstep only).
         refill: ``refill(missing)`` draws that many fresh problems for the next round.
         problems: the step's prompts.
         version: the policy version the engine generates with.
@@ -81,7 +83,7 @@ def generate_rounds(run_round: Round, idle_round: Callable[[], object], refill: 
     idle = False
     while True:
         if idle:
-            idle_round()
+            idle_round(pending)
             if all_ranks_done(True, lockstep_device):
                 break
             continue
