@@ -67,13 +67,10 @@ class Minibatch:
 
     @property
     def micro_batch_count(self) -> int:
-        return len(self._parts())
-
-    def _parts(self) -> tuple[Tensor, ...]:
-        return self.index.split(self.micro_batch_size or len(self.index))
+        return math.ceil(len(self.index) / (self.micro_batch_size or len(self.index)))
 
     def micro_batches(self) -> Iterator[MicroBatch]:
-        parts = self._parts()
+        parts = self.index.split(self.micro_batch_size or len(self.index))
         first = 0
         for number, part in enumerate(parts):
             yield MicroBatch(part, torch.arange(first, first + len(part), device=part.device), number == len(parts) - 1)
