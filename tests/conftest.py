@@ -32,6 +32,18 @@ def tiny_chat_dir(tmp_path_factory) -> str:
 MemoryLogger = InMemoryLogger
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """Destroy a default process group a test initialised in the pytest process (a one-device FSDP fit does).
+
+    The two-rank tests fork this process (tests/two_ranks.py): a forked rank would inherit the group as initialised,
+    skip joining its own, and wait forever in its first collective.
+    """
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 @pytest.fixture
 def memory_logger() -> MemoryLogger:
     return MemoryLogger()

@@ -13,7 +13,6 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader
@@ -29,7 +28,7 @@ from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine
 from lightning_rlvr.sharding import full_weights, is_sharded
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers import CallableVerifier
-from tests.two_ranks import distributed_worker, free_port, spawn_two
+from tests.two_ranks import distributed_worker, free_port, spawn_two, start_two
 
 pytestmark = pytest.mark.slow  # multi-process or subprocess runs (deselect with -m "not slow")
 
@@ -252,16 +251,10 @@ def lockstep_worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
 
 def test_fsdp_dynamic_sampling_with_uneven_rounds_does_not_hang(tiny_model_dir, tmp_path):
-    context = mp.start_processes(lockstep_worker, args=(free_port(), tiny_model_dir, str(tmp_path)), nprocs=2,
-                                 join=False, start_method="spawn")
-    deadline = 180  # seconds: the fit takes ~15 s; a rank waiting for a generation round that never comes hangs
-    for _ in range(deadline):
-        if context.join(timeout=1):
-            break
-    else:
-        for process in context.processes:
-            process.kill()
-        pytest.fail(f"a 2-rank FSDP fit with dynamic sampling did not finish in {deadline} s (ranks out of step)")
+    try:  # the fit takes seconds; a rank waiting for a generation round that never comes hangs
+        start_two(lockstep_worker, (free_port(), tiny_model_dir, str(tmp_path)), deadline_s=180)
+    except TimeoutError:
+        pytest.fail("a 2-rank FSDP fit with dynamic sampling did not finish in 180 s (ranks out of step)")
     rounds = [torch.load(tmp_path / f"rounds{rank}.pt") for rank in range(2)]
     assert all(r >= 2 for r in rounds[0])  # rank 0 always refills
     assert any(r0 != r1 for r0, r1 in zip(*rounds)), rounds  # so ranks needed different numbers of rounds

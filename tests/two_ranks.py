@@ -1,9 +1,14 @@
 """Running a test's work on two CPU ranks (gloo): the shared scaffolding of every two-process test.
 
-- :func:`two_rank_results`: ``body(rank, *args)`` inside an initialised process group on each of two spawned ranks;
+- :func:`two_rank_results`: ``body(rank, *args)`` inside an initialised process group on each of two forked ranks;
   their return values, in rank order.
 - :func:`spawn_two` with :func:`distributed_worker`: the environment a launcher sets (Lightning joins the process
   group itself), on a free port, retried when the port was taken in between.
+
+The ranks are forked, not spawned: a spawned rank re-imports torch, Lightning and transformers (~5 s of the ~6 s a
+two-rank fit of the tiny model takes on 2 cores; the two-process tests took 67 s spawned, 10 s forked). A forked
+rank sets one intra-op thread before any work, as DataLoader workers do, because OpenMP's thread pool does not
+survive a fork; and it fails after :data:`DEADLINE_S` instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -18,13 +23,30 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["distributed_worker", "free_port", "spawn_two", "two_rank_results"]
+__all__ = ["distributed_worker", "free_port", "spawn_two", "start_two", "two_rank_results"]
+
+START_METHOD = "fork"
+DEADLINE_S = 300  # a two-rank fit here takes seconds; a rank that waits on a collective never finishes
+
+
+def start_two(worker_fn, args: tuple, deadline_s: float = DEADLINE_S) -> None:
+    """``worker_fn(rank, *args)`` on ranks 0 and 1, forked; raise a rank's exception, or fail after the deadline."""
+    if dist.is_initialized():  # the ranks would inherit it as theirs (conftest.py destroys what a test leaves)
+        raise RuntimeError("a process group is initialised in the test process: destroy it before forking ranks")
+    context = mp.start_processes(worker_fn, args=args, nprocs=2, join=False, start_method=START_METHOD)
+    waited = 0.0
+    while not context.join(timeout=1):
+        waited += 1
+        if waited >= deadline_s:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"two ranks of {worker_fn.__name__} did not finish in {deadline_s:.0f} s")
 
 
 def _gloo_rank(rank: int, body, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/init", rank=rank, world_size=2)
     try:
-        torch.set_num_threads(1)
         torch.save(body(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -32,7 +54,7 @@ def _gloo_rank(rank: int, body, out_dir: str, args: tuple) -> None:
 
 def two_rank_results(body, out_dir: Path, *args) -> list:
     """``body(rank, *args)`` (a module-level function) on ranks 0 and 1 of a gloo group: what each returned."""
-    mp.spawn(_gloo_rank, args=(body, str(out_dir), args), nprocs=2, join=True)
+    start_two(_gloo_rank, (body, str(out_dir), args))
     return [torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
@@ -70,14 +92,14 @@ def free_port() -> int:
 
 
 def spawn_two(worker_fn, *args, attempts: int = 3) -> None:
-    """``mp.spawn`` two ranks on a free port, again on another one if the port was taken in between.
+    """:func:`start_two` on a free port, again on another one if the port was taken in between.
 
     ``free_port`` releases the port it found before rank 0's store binds it; another process may take it meanwhile
     (a time-of-check/time-of-use race), which shows up as "address already in use".
     """
     for attempt in range(attempts):
         try:
-            mp.spawn(worker_fn, args=(free_port(), *args), nprocs=2, join=True)
+            start_two(worker_fn, (free_port(), *args))
             return
         except mp.ProcessRaisedException as err:
             if "address already in use" not in str(err).lower() or attempt == attempts - 1:
