@@ -270,6 +270,15 @@ class RLVRModule(pl.LightningModule):
         rows = trainer.datamodule.prompts_per_step * trainer.datamodule.group_size
         return math.ceil(trainer.max_steps / updates_per_rollout(rows, self.hparams)[1])
 
+    def rollout_steps_left(self) -> int | None:
+        """Rollout steps left in this fit, the current one included: ``⌈(max_steps − global_step) / optimizer steps
+        per rollout⌉`` (``None`` when ``max_steps`` does not bound the run). The background queue holds no more."""
+        trainer = self._trainer
+        if trainer is None or trainer.max_steps is None or trainer.max_steps < 1:
+            return None
+        rows = trainer.datamodule.prompts_per_step * trainer.datamodule.group_size
+        return math.ceil((trainer.max_steps - trainer.global_step) / updates_per_rollout(rows, self.hparams)[1])
+
     def wants_behaviour_stats(self) -> bool:
         """Whether a step needs the behaviour policy's stats before its first update (several updates per rollout,
         or an intervention that reads them); the rollout engine is then asked for them (``HFEngine`` computes them

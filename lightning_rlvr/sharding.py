@@ -36,7 +36,7 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["block_classes", "fsdp2_shard", "full_weights", "global_grad_norm", "is_dtensor", "is_sharded", "is_zero3"]
+__all__ = ["block_classes", "fsdp2_shard", "full_weights", "global_grad_norm", "is_dtensor", "is_sharded", "is_zero3", "strategy_shards"]
 
 
 try:
@@ -62,6 +62,16 @@ def is_sharded(module: nn.Module) -> bool:
     A forward pass of a sharded module gathers parameters from every rank: all ranks must run it together.
     """
     return any(is_dtensor(p) or hasattr(p, "ds_id") for p in module.parameters())
+
+
+def strategy_shards(strategy) -> bool:
+    """Whether a Lightning strategy shards the policy across ranks (FSDP, FSDP2's ``ModelParallelStrategy``, DeepSpeed
+    ZeRO-3): known at ``setup``, before the policy is sharded in ``configure_model``."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        return strategy.world_size > 1
+    return isinstance(strategy, DeepSpeedStrategy) and bool(getattr(strategy, "zero_stage_3", False))
 
 
 def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:

@@ -93,4 +93,4 @@ def fake_policy(policy=None, policy_version: int = 0):
     """A :class:`~lightning_rlvr.data.policy_handle.PolicyHandle` without a LightningModule: what
     ``RolloutDataModule.connect(..., policy=...)`` needs of the policy outside a fit."""
     return types.SimpleNamespace(policy=policy, policy_version=policy_version, device=torch.device("cpu"),
-                                 wants_behaviour_stats=lambda: False)
+                                 wants_behaviour_stats=lambda: False, rollout_steps_left=lambda: None)

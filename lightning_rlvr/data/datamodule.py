@@ -18,10 +18,15 @@ as a :class:`~lightning_rlvr.data.policy_handle.PolicyHandle`.
 
 Exact resume: :meth:`RolloutDataModule.state_dict` (in every checkpoint) records the epoch's shuffle seed, the prompts
 already trained, the refill sampler and the global RNG states, of every rank (:mod:`lightning_rlvr.data.samplers`).
+At ``max_policy_lag=k >= 1`` a resume is not exact: the background queue is not saved (a checkpoint does not wait for
+it), so the first step after the resume generates in the foreground with the current policy, and the queue fills
+again from there.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import random
 import time
 from dataclasses import replace
@@ -37,7 +42,12 @@ from lightning_rlvr.data.dynamic_sampling import RoundSettings, generate_rounds,
 from lightning_rlvr.data.policy_handle import EngineWeights, PolicyHandle
 from lightning_rlvr.data.samplers import ProblemDataset, ResumableShuffle, as_list, resumable_shuffle
 from lightning_rlvr.data.scoring import (
-    CompletionScorer, GeneratedRollout, PromptFormatter, ScoredCompletion, component_names)
+    CompletionScorer,
+    GeneratedRollout,
+    PromptFormatter,
+    ScoredCompletion,
+    component_names,
+)
 from lightning_rlvr.data.sources import BuiltinTask, PromptSource
 from lightning_rlvr.distributed import all_union
 from lightning_rlvr.metrics.pass_at_k import pass_at_k
@@ -46,6 +56,7 @@ from lightning_rlvr.rng import rng_state, set_rng_state
 from lightning_rlvr.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rlvr.rollout.hf import HFEngine
 from lightning_rlvr.rollout.stops import resolve_stop_token_ids
+from lightning_rlvr.sharding import strategy_shards
 from lightning_rlvr.tasks import Problem
 from lightning_rlvr.verifiers.base import Verifier, VerifierRunner
 from lightning_rlvr.verifiers.exact import ExactMatchVerifier
@@ -183,7 +194,7 @@ class RolloutDataModule(pl.LightningDataModule):
         draws nothing, e.g. ``val_samples=0``). With several ranks every rank's position and RNG states are
         gathered (``per_rank``; checkpoints are written on every rank, so the gather is a collective they all run).
         """
-        self._wait_for_background()  # a background refill draws from the refill sampler
+        # No wait for the background queue: it draws from samplers of its own, and a resume does not restore it.
         version, internal, gauss = self._refill_rng.getstate()
         state = {**(self._shuffle.position() if self._shuffle is not None else {"consumed": 0}),
                  "refill_rng": [version, list(internal), gauss], "rng": rng_state(),
@@ -234,7 +245,11 @@ class RolloutDataModule(pl.LightningDataModule):
                              f"needs its own copy of the weights, e.g. HFEngine(weights='copy'), ProcessEngine() "
                              f"or VLLMServerEngine(); {type(self.engine).__name__} generates with the live policy")
         if self.trainer is None:
+            self.engine.setup_fit(self.max_policy_lag, world_size=1, sharded_policy=False)
             return
+        self.engine.setup_fit(self.max_policy_lag, self.trainer.world_size, strategy_shards(self.trainer.strategy))
+        if self.lagged is not None:
+            self.lagged.for_run(int(os.environ.get("PL_GLOBAL_SEED", "0")), self.trainer.global_rank)
         module = self.trainer.lightning_module
         if self.tokenizer is None:
             tokenizer = getattr(module, "tokenizer", None)
@@ -248,6 +263,15 @@ class RolloutDataModule(pl.LightningDataModule):
             self.lagged.shutdown()
         self.engine.close()
         self.engine_weights.version = None  # a closed engine holds no weights: the next fit syncs again
+        self.runner.close()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """The fit failed (Lightning calls this, not :meth:`teardown`): stop the background generations, the engine
+        and the verifier pool at once, without waiting for queued or running work."""
+        if self.lagged is not None:
+            self.lagged.abort()
+        self.engine.abort()
+        self.engine_weights.version = None
         self.runner.close()
 
     def train_dataloader(self) -> DataLoader:
@@ -306,12 +330,29 @@ class RolloutDataModule(pl.LightningDataModule):
         return self.policy_handle
 
     def _upcoming_problems(self, steps_ahead: int) -> list[Problem] | None:
-        """The prompts of the step ``steps_ahead`` after this one, from the shuffle's order (``None``: next epoch)."""
+        """The prompts of the step ``steps_ahead`` after this one, from the shuffle's order (``None``: next epoch, or
+        past the last step that ``max_steps`` or ``limit_train_batches`` leave)."""
+        if steps_ahead >= self._steps_left():
+            return None
         upcoming = self._shuffle.upcoming(steps_ahead * self.prompts_per_step)
         if upcoming is None:
             return None
         dataset = self.source.train_problems()
         return [dataset[i] for i in upcoming[-self.prompts_per_step:]]
+
+    def _steps_left(self) -> float:
+        """Rollout steps left in this fit and epoch, this one included (``inf`` when nothing bounds them)."""
+        left = math.inf
+        if self.trainer is None:
+            return left
+        fit_left = self.policy_handle.rollout_steps_left()
+        if fit_left is not None:
+            left = fit_left
+        epoch_batches = self.trainer.num_training_batches
+        if math.isfinite(epoch_batches):  # limit_train_batches applied; `ready` counts this epoch's batches so far
+            done = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            left = min(left, epoch_batches - done + 1)
+        return left
 
     def _wait_for_background(self) -> None:
         if self.lagged is not None:
@@ -322,15 +363,18 @@ class RolloutDataModule(pl.LightningDataModule):
         return self.scorer.generate_and_score(self.engine, problems, [self.prompt_ids(p) for p in problems], n,
                                               sampling, first_group)
 
-    def _generate(self, problems: list[Problem], version: int, sampling: SamplingConfig) -> GeneratedRollout:
+    def _generate(self, problems: list[Problem], version: int, sampling: SamplingConfig,
+                  refill_seed: int | None = None) -> GeneratedRollout:
         """Generate, verify and refill (dynamic sampling) ``problems`` with the engine's weights (``version``): the
-        kept rows and the rollout's statistics (no collective but the lockstep of sharded generation)."""
+        kept rows and the rollout's statistics (no collective but the lockstep of sharded generation). Refills are
+        drawn from the refill sampler, or from one seeded with ``refill_seed`` (a background generation's)."""
         handle = self.policy_handle
+        refill_rng = self._refill_rng if refill_seed is None else random.Random(refill_seed)
         lockstep = needs_lockstep(self.round_settings.dynamic_sampling, handle.policy, self.engine)
         generated = generate_rounds(
             run_round=lambda pending, first_group: self._score(pending, self.group_size, sampling, first_group),
             idle_round=lambda pending: self.engine.generate([self.prompt_ids(pending[0])], self.group_size, sampling),
-            refill=lambda missing: self._refill_rng.sample(self.source.train_problems(), missing),
+            refill=lambda missing: refill_rng.sample(self.source.train_problems(), missing),
             problems=problems, version=version, settings=self.round_settings,
             shaped_rewards=lambda rows: self.scorer.shaped_rewards(rows, self.sampling.max_new_tokens),
             lockstep_device=handle.device if lockstep else None)

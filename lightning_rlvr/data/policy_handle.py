@@ -31,6 +31,11 @@ class PolicyHandle(Protocol):
         compute while decoding instead."""
         ...
 
+    def rollout_steps_left(self) -> int | None:
+        """Rollout steps left in the fit, the current one included (``None``: unbounded); the background queue of
+        ``max_policy_lag`` generates no rollout past them."""
+        ...
+
 
 class EngineWeights:
     """The policy version the engine holds, so that weights are pushed only when they changed."""

@@ -123,6 +123,21 @@ class RolloutEngine(ABC):
         """Done with the engine for this fit: stop what it runs apart from the trainer (nothing by default; a
         :class:`~lightning_rlvr.rollout.process.ProcessEngine` stops its process). The next ``sync`` starts afresh."""
 
+    def abort(self) -> None:
+        """The fit failed: stop now, abandoning work in progress (:meth:`close` by default; a
+        :class:`~lightning_rlvr.rollout.process.ProcessEngine` kills its process)."""
+        self.close()
+
+    def setup_fit(self, max_policy_lag: int, world_size: int, sharded_policy: bool) -> None:
+        """Called by the DataModule at ``setup``, in the thread that trains, before anything is generated: refuse a
+        setting this engine cannot generate under (nothing by default).
+
+        Args:
+            max_policy_lag: the DataModule's ``max_policy_lag`` (syncs from a background thread when ``>= 2``).
+            world_size: trainer ranks.
+            sharded_policy: whether the strategy shards the policy across ranks (a sync would be a collective).
+        """
+
     @staticmethod
     def stop_ids(policy: nn.Module, sampling: SamplingConfig) -> tuple[int, ...]:
         """The call's stop ids (``sampling.stop_token_ids``); without them, the policy's generation config's EOS ids."""

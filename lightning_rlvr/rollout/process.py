@@ -204,7 +204,8 @@ class ProcessEngine(RolloutEngine):
         backend: the weights group's backend: ``"auto"`` (NCCL when the policy and the engine are on two different
             GPUs, the buffers staged on each side's device; else gloo, staged on the host), ``"gloo"`` or
             ``"nccl"``.
-        timeout_s: how long the process may take to start, and a weight broadcast to complete.
+        timeout_s: how long the process may take to start, to complete a weight broadcast, or to answer any request
+            (a generation included); past it the process is killed and the call raises ``TimeoutError``.
         use_cache: :class:`HFEngine`'s argument.
         behaviour_stats: :class:`HFEngine`'s argument.
     """
@@ -286,6 +287,14 @@ class ProcessEngine(RolloutEngine):
         self._buffers = []
         self.version = -1
 
+    def abort(self) -> None:
+        """Kill the process without waiting for what it is doing (the fit failed)."""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            self._process = None
+        self.close()
+
     def __del__(self) -> None:
         if getattr(self, "_process", None) is not None and self._process.poll() is None:
             self._process.kill()
@@ -329,8 +338,13 @@ class ProcessEngine(RolloutEngine):
             raise RuntimeError(f"ProcessEngine: lost the engine process while sending {message[0]!r}") from err
 
     def _receive(self, expected: str):
+        deadline = time.monotonic() + self.timeout.total_seconds()
         while not self._connection.poll(1.0):
             self._check_alive(f"waiting for {expected!r}")
+            if time.monotonic() > deadline:  # alive but stuck: nothing else would end the wait
+                self.abort()
+                raise TimeoutError(f"ProcessEngine: the engine process did not answer {expected!r} within "
+                                   f"{self.timeout}; it was killed (timeout_s)")
         try:
             kind, payload = pickle.loads(self._connection.recv_bytes())
         except (EOFError, OSError) as err:

@@ -118,6 +118,7 @@ class NCCLWeightTransport(WeightTransport):
 
     def __init__(self) -> None:
         self.communicator: Any = None
+        self._device: torch.device | None = None
         try:
             import vllm
 
@@ -127,7 +128,8 @@ class NCCLWeightTransport(WeightTransport):
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
+        """The device the communicator was bound to at :meth:`connect`; before, the calling thread's current one."""
+        return self._device if self._device is not None else torch.device("cuda", torch.cuda.current_device())
 
     def connect(self, master_address: str, master_port: int, world_size: int) -> None:
         try:
@@ -137,10 +139,12 @@ class NCCLWeightTransport(WeightTransport):
             raise ImportError("VLLMServerEngine's NCCL weight transport needs vLLM on the trainer (the server's "
                               "version) and a CUDA device: pip install 'lightning_rlvr[vllm]'") from err
         group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=0, world_size=world_size)
-        self.communicator = PyNcclCommunicator(group, device=self.device)
+        # Fixed now: the current device is per thread, and a later push may come from the background thread.
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        self.communicator = PyNcclCommunicator(group, device=self._device)
 
     def broadcast(self, buffer: Tensor) -> None:
-        self.communicator.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
+        self.communicator.broadcast(buffer, src=0, stream=torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
         self.communicator = None
@@ -236,6 +240,7 @@ class VLLMServerEngine(RolloutEngine):
         self.policy: nn.Module | None = None
         self._session: Any = None
         self._transport: WeightTransport | None = None
+        self._training_thread: threading.Thread | None = None  # recorded at setup_fit; else the main thread
 
     # -- HTTP -------------------------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
@@ -313,6 +318,18 @@ class VLLMServerEngine(RolloutEngine):
         and the weight-transfer group stays open for that push."""
         self.version = -1
 
+    def setup_fit(self, max_policy_lag: int, world_size: int, sharded_policy: bool) -> None:
+        """Record the training thread (a collective sync must run in it), and refuse a lag of 2 or more where the
+        sync is a collective: a server shared by several ranks, or a sharded policy. At lag ``k >= 2`` syncs run in
+        the background thread, so this would otherwise fail only at step ``k + 1``."""
+        self._training_thread = threading.current_thread()
+        shared = world_size > 1 and len(self.urls) == 1
+        if max_policy_lag >= 2 and (shared or sharded_policy):
+            why = "one server shared by the trainer ranks" if shared else "a policy sharded across ranks"
+            raise ValueError(f"VLLMServerEngine: max_policy_lag={max_policy_lag} syncs the weights from a background "
+                             f"thread, and with {why} a sync is a collective, which must run in the training thread: "
+                             f"use max_policy_lag <= 1, or a server per rank with an unsharded policy")
+
     # -- the engine interface ---------------------------------------------------------------------------------
     @torch.no_grad()
     def sync(self, policy: nn.Module, version: int) -> None:
@@ -324,7 +341,8 @@ class VLLMServerEngine(RolloutEngine):
         """
         rank, world = _rank()
         shared = world > 1 and len(self.urls) == 1
-        if (shared or is_sharded(policy)) and threading.current_thread() is not threading.main_thread():
+        training_thread = self._training_thread or threading.main_thread()
+        if (shared or is_sharded(policy)) and threading.current_thread() is not training_thread:
             raise RuntimeError("VLLMServerEngine: this sync is a collective across trainer ranks (a server shared by "
                                "the ranks, or a sharded policy) and was called from a background thread, where it "
                                "could interleave with training's collectives: use max_policy_lag <= 1 (its syncs run "
