@@ -1,19 +1,22 @@
 """Running a test's work on two CPU ranks (gloo): the shared scaffolding of every two-process test.
 
-- :func:`two_rank_results`: ``body(rank, *args)`` inside an initialised process group on each of two forked ranks;
+- :func:`two_rank_results`: ``body(rank, *args)`` inside an initialised process group on each of two ranks;
   their return values, in rank order.
 - :func:`spawn_two` with :func:`distributed_worker`: the environment a launcher sets (Lightning joins the process
   group itself), on a free port, retried when the port was taken in between.
 
-The ranks are forked, not spawned: a spawned rank re-imports torch, Lightning and transformers (~5 s of the ~6 s a
-two-rank fit of the tiny model takes on 2 cores; the two-process tests took 67 s spawned, 10 s forked). A forked
-rank sets one intra-op thread before any work, as DataLoader workers do, because OpenMP's thread pool does not
-survive a fork; and it fails after :data:`DEADLINE_S` instead of hanging the suite.
+The ranks are forked from a fork server that imported torch, Lightning, transformers and the package once: a spawned
+rank re-imports them (~5 s of the ~6 s a two-rank fit of the tiny model takes on 2 cores). They are not forked from
+the test process itself, which is faster still but inherits its state: objects that earlier tests left behind (a
+gloo process group whose destructor waits on threads that a fork does not copy) deadlocked a rank once in a full
+run. A rank sets one intra-op thread before any work, and fails after :data:`DEADLINE_S` instead of hanging the
+suite.
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import socket
 import sys
@@ -25,14 +28,17 @@ import torch.multiprocessing as mp
 
 __all__ = ["distributed_worker", "free_port", "spawn_two", "start_two", "two_rank_results"]
 
-START_METHOD = "fork"
+START_METHOD = "forkserver"
+# Imported once by the fork server (started at the first two-rank test), inherited by every rank it forks.
+# transformers' model loading imports DeepSpeed where it is installed (1.4 s), and its model classes load lazily.
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "transformers",
+                                        "transformers.core_model_loading", "transformers.models.llama.modeling_llama",
+                                        "lightning_rlvr", "lightning_rlvr.module", "lightning_rlvr.data", "test_module"])
 DEADLINE_S = 300  # a two-rank fit here takes seconds; a rank that waits on a collective never finishes
 
 
 def start_two(worker_fn, args: tuple, deadline_s: float = DEADLINE_S) -> None:
-    """``worker_fn(rank, *args)`` on ranks 0 and 1, forked; raise a rank's exception, or fail after the deadline."""
-    if dist.is_initialized():  # the ranks would inherit it as theirs (conftest.py destroys what a test leaves)
-        raise RuntimeError("a process group is initialised in the test process: destroy it before forking ranks")
+    """``worker_fn(rank, *args)`` on ranks 0 and 1; raise a rank's exception, or fail after the deadline."""
     context = mp.start_processes(worker_fn, args=args, nprocs=2, join=False, start_method=START_METHOD)
     waited = 0.0
     while not context.join(timeout=1):
