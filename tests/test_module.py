@@ -15,7 +15,7 @@ from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.rollout.base import RolloutEngine
 from lightning_rlvr.training.stats import UpdateStats
 from lightning_rlvr.training.token_stats import PolicyScorer
-from lightning_rlvr.training.update import engine_mismatch
+from lightning_rlvr.training.update import engine_correction, log_engine_mismatch
 
 
 def trainer(max_steps: int, **kwargs) -> pl.Trainer:
@@ -416,26 +416,23 @@ def test_sigkill_after_a_checkpoint_then_resume_matches_the_uninterrupted_run(ti
 
 
 def test_engine_mismatch_is_measured_and_truncated_importance_sampling_weights_the_loss(tiny_model_dir):
-    from lightning_rlvr.algorithms import ppo_clip_loss
-
     old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -4.0, -1.0]])
     engine = torch.tensor([[-1.5, -0.5, -0.5], [-0.3, -1.0, -9.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    current = old + 0.1
-    pl_out = ppo_clip_loss(current, old, torch.ones_like(old), 0.2, 0.2, None)
     for cap in (None, 2.0):
         module = RLVRModule(model=tiny_model_dir, engine_is_cap=cap)
         stats = UpdateStats()
-        out = engine_mismatch(module.hparams, pl_out, old, engine, mask, mask.sum(), stats)
+        log_engine_mismatch(old, engine, mask, mask.sum(), stats)
+        weight = engine_correction(module.hparams, old, engine, mask, stats, mask.sum())
         kl = sum((e - o) for e, o, m in zip(engine.flatten().tolist(), old.flatten().tolist(),
                                             mask.flatten().tolist()) if m) / mask.sum().item()
         assert stats.engine_kl == pytest.approx(kl)
         if cap is None:
-            assert out is pl_out and stats.tis_clip is None and stats.mis_mask is None
+            assert weight is None and stats.tis_clip is None and stats.mis_mask is None
             continue
         expected_weight = [[min(math.exp(o - e), cap) * m for o, e, m in zip(ro, re, rm)]
                            for ro, re, rm in zip(old.tolist(), engine.tolist(), mask.tolist())]
-        torch.testing.assert_close(out.loss, pl_out.loss * torch.tensor(expected_weight))
+        torch.testing.assert_close(weight, torch.tensor(expected_weight))
         over = [(math.exp(o - e) > cap) * m for o, e, m in zip(old.flatten().tolist(), engine.flatten().tolist(),
                                                               mask.flatten().tolist())]
         assert stats.tis_clip == pytest.approx(sum(over) / mask.sum().item())  # 2 of 5 valid tokens here
@@ -448,15 +445,12 @@ def test_engine_mismatch_is_measured_and_truncated_importance_sampling_weights_t
 @pytest.mark.parametrize("mode, key", [("sequence_truncate", "tis_clip"), ("token_mask", "mis_mask"),
                                        ("sequence_mask", "mis_mask")])
 def test_every_engine_importance_sampling_mode_weights_the_loss_and_counts_its_tokens(tiny_model_dir, mode, key):
-    from lightning_rlvr.algorithms import ppo_clip_loss
-
     old = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -1.0], [-0.2, -0.1, -0.4]])
     engine = torch.tensor([[-1.5, -0.5, -0.5], [-0.3, -1.0, -9.0], [-0.2, -0.1, -0.5]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    pl_out = ppo_clip_loss(old + 0.1, old, torch.ones_like(old), 0.2, 0.2, None)
     module = RLVRModule(model=tiny_model_dir, engine_is_cap=2.0, engine_is_mode=mode)
     stats = UpdateStats()
-    out = engine_mismatch(module.hparams, pl_out, old, engine, mask, mask.sum(), stats)
+    weight_applied = engine_correction(module.hparams, old, engine, mask, stats, mask.sum())
     # Row ratios: exp(0.5 - 1.5 + 0) = e^-1 (outside [1/2, 2]), exp(0 - 0.2) = e^-0.2, exp(0.1) (both inside);
     # token ratios outside [1/2, 2]: e^-1.5 (row 0).
     if mode == "sequence_truncate":
@@ -468,7 +462,7 @@ def test_every_engine_importance_sampling_mode_weights_the_loss_and_counts_its_t
     else:
         weight = [[math.exp(0.5), 0.0, 1.0], [1.0, math.exp(-0.2), 0.0], [1.0, 1.0, math.exp(0.1)]]
         affected = 1
-    torch.testing.assert_close(out.loss, pl_out.loss * torch.tensor(weight))
+    torch.testing.assert_close(weight_applied, torch.tensor(weight))
     assert getattr(stats, key) == pytest.approx(affected / mask.sum().item())
     assert getattr(stats, "mis_mask" if key == "tis_clip" else "tis_clip") is None
 

@@ -17,7 +17,8 @@ hook                   when                                        may change
 Each hook sees what the previous callbacks did: ``shape_advantages`` reads and returns
 ``ctx.advantages``; ``token_weights`` returns a factor multiplied into ``mctx.weights`` (the next
 callback sees the product); ``extra_loss`` terms are summed (``mctx.extra_losses`` lists those so far).
-The per-token policy-gradient loss that is aggregated is ``mctx.policy_loss.loss * mctx.weights``.
+The per-token policy-gradient loss that is aggregated is ``mctx.policy_loss.loss * mctx.engine_weights *
+mctx.weights`` (the engine importance weights only with ``RLVRModule(engine_is_cap=...)``).
 
 A callback states what it needs in :attr:`Intervention.needs` so that the module computes only what
 some callback uses: entropy with gradient (entropy bonuses), old-policy log-probs and entropy before
@@ -170,10 +171,15 @@ class MinibatchView:
         old_logprobs: ``(B, T)`` behaviour log-probs.
         entropy: ``(B, T)`` current entropy (detached).
         old_entropy: ``(B, T)`` behaviour entropy.
-        policy_loss: the PPO surrogate of these log-probs (ratio and clip indicators; detached).
+        policy_loss: the PPO surrogate of these log-probs (ratio and clip indicators; detached), before the engine
+            importance weights.
         sbar: ``(B, T)`` current ``S̄`` when some callback needs ``flow_stats``.
         nucleus_entropy: ``(B, T)`` current local top-p entropy when some callback needs ``nucleus_top_p``.
         top2_gap: ``(B, T)`` current top-two log-prob gap, same availability.
+        engine_weights: ``(B, T)`` the importance weights the applied loss multiplies each token's surrogate by
+            (``RLVRModule(engine_is_cap=...)``; ``None`` without a correction). The update a token makes is this
+            times the interventions' weights, so an intervention that balances or scales per-token updates (OPEFO,
+            STEER) multiplies them in; a token a mask mode dropped (weight 0) is not :attr:`valid`.
     """
 
     mask: Tensor
@@ -186,12 +192,21 @@ class MinibatchView:
     sbar: Tensor | None = None
     nucleus_entropy: Tensor | None = None
     top2_gap: Tensor | None = None
+    engine_weights: Tensor | None = None
     _results: dict = field(default_factory=dict)
 
     @property
     def valid(self) -> Tensor:
-        """``(B, T)`` bool mask of valid tokens."""
-        return self.mask > 0
+        """``(B, T)`` bool mask of the tokens the update trains on: response tokens, less those the engine
+        correction's mask modes dropped (selections and flows are taken over these)."""
+        if self.engine_weights is None:
+            return self.mask > 0
+        return (self.mask > 0) & (self.engine_weights != 0)
+
+    def applied(self, per_token: Tensor) -> Tensor:
+        """``per_token`` times the engine importance weights (unchanged without a correction): e.g. a predicted
+        entropy change per token, as the applied update makes it."""
+        return per_token if self.engine_weights is None else per_token * self.engine_weights
 
     def gather_valid(self, values: Tensor) -> tuple[Tensor, int]:
         """These rows' valid-token values on every rank, flattened: ``(all_values, offset of this rank's)``."""
@@ -230,7 +245,8 @@ class MicroBatchContext:
         nucleus_entropy: ``(b, T)`` current local top-p entropy when some callback needs ``nucleus_top_p``.
         top2_gap: ``(b, T)`` current top-two log-prob gap, same availability.
         ref_logprobs: ``(b, T)`` or ``None``.
-        policy_loss: the PPO surrogate's per-token output (loss, ratio, clip indicators).
+        policy_loss: the PPO surrogate's per-token output (loss, ratio, clip indicators), before the engine
+            importance weights.
         weights: ``(b, T)`` product of the ``token_weights`` returned so far (starts at 1).
         aggregate: ``aggregate(values) -> scalar`` with the module's mode and minibatch-wide normaliser,
             so that an extra loss term accumulates over micro-batches (and ranks) like the pg loss.
@@ -239,6 +255,8 @@ class MicroBatchContext:
             (:meth:`statistics_view`).
         rows: ``(b,)`` positions of this micro-batch's rows in ``minibatch``.
         share_scale: micro-batches in the minibatch × ranks (see :meth:`log_share`).
+        engine_weights: ``(b, T)`` the engine importance weights of these tokens, or ``None`` without a correction
+            (:attr:`MinibatchView.engine_weights`).
     """
 
     step: StepContext
@@ -260,6 +278,7 @@ class MicroBatchContext:
     minibatch: MinibatchView | None = None
     rows: Tensor | None = None
     share_scale: float = 1.0
+    engine_weights: Tensor | None = None
     _own_view: MinibatchView | None = None
 
     def log(self, name: str, value: float | Tensor) -> None:
@@ -287,13 +306,13 @@ class MicroBatchContext:
                 mask=self.mask, advantages=self.advantages, logprobs=self.logprobs.detach(),
                 old_logprobs=self.old_logprobs, entropy=self.entropy.detach(), old_entropy=self.old_entropy,
                 policy_loss=detached(self.policy_loss), sbar=None if self.sbar is None else self.sbar.detach(),
-                nucleus_entropy=self.nucleus_entropy, top2_gap=self.top2_gap)
+                nucleus_entropy=self.nucleus_entropy, top2_gap=self.top2_gap, engine_weights=self.engine_weights)
         return self._own_view, torch.arange(len(self.index), device=self.mask.device)
 
     @property
     def valid(self) -> Tensor:
-        """``(b, T)`` bool mask of valid tokens."""
-        return self.mask > 0
+        """``(b, T)`` bool mask of valid tokens (response tokens the engine correction did not drop)."""
+        return self.mask > 0 if self.engine_weights is None else (self.mask > 0) & (self.engine_weights != 0)
 
 
 

@@ -13,7 +13,9 @@ The paper's Four Quadrant Decomposition is logged: reward polarity (``A > 0`` / 
 (``H ≥ τ``, ``τ`` the batch ``quadrant_quantile``-quantile of the behaviour entropy over all ranks). Per
 quadrant ``q ∈ {pos_high, pos_low, neg_high, neg_low}``: ``hapo/share_<q>`` (token share), ``hapo/credit_<q>``
 (share of ``Σ|A'|``: where the reallocation put the credit), ``hapo/flow_<q>`` (predicted first-order entropy
-change ``Σ −A'(S − S̄)`` of the quadrant's tokens per batch token, ALGORITHMS.md §2.2). Also
+change ``Σ −A'(S − S̄)`` of the quadrant's tokens per batch token, ALGORITHMS.md §2.2; the flow of the shaped
+advantages at the behaviour policy, before the PPO ratio and any engine importance weights: where the reallocation
+pushes, not the applied update's flow, which OPEFO balances). Also
 ``hapo/multiplier_max`` and ``hapo/mass_ratio`` (``Σ|A'| / Σ|A|``: 1 up to rounding, as signs are kept).
 A caution from a third-party note (§13.5): an unanchored posterior-shift credit collapsed entropy in the paper's
 study; this reallocation keeps GRPO's per-response credit and only moves it between tokens.

@@ -14,7 +14,9 @@ groups, clipped tokens) keep weight 1. The paper trains *strictly on-policy* —
 on the whole batch, so ``r = 1`` and the prediction is at the policy the step starts from; by default this
 callback refuses other schedules and rollouts generated ahead (``Needs.on_policy``: no
 ``RolloutDataModule(max_policy_lag > 0)``); ``strict_on_policy=False`` allows them: flows then use the current
-ratio and zero out clipped tokens, the §9.2 extension.
+ratio and zero out clipped tokens, the §9.2 extension. With ``RLVRModule(engine_is_cap=...)`` each token's update
+is also multiplied by its engine importance weight ``w``, so the flows balanced are ``w · c_t``: the applied update's
+net predicted flow is zero (tested against the gradient of the applied loss).
 
 Choices of ours, each an argument: ``flow="exact"`` uses E3; ``"onlyza"`` the sampled-logit-only estimate
 ``−A r π(1−π)(log π + H)``, likely the paper's Eq. 6, which a third-party review disputes (§13.3).
@@ -24,7 +26,8 @@ the minibatch's valid tokens on all ranks — the whole batch in the paper's str
 ``micro_batch_size`` is.
 
 Metrics: ``opefo/lambda``, ``opefo/flow_up`` (F₊), ``opefo/flow_down`` (F₋), ``opefo/increasing_fraction``
-(``|S₊| / (|S₊| + |S₋|)``), ``opefo/net_flow_weighted`` (``Σ w c`` over valid tokens: 0 for the default rule).
+(``|S₊| / (|S₊| + |S₋|)``), ``opefo/net_flow_weighted`` (``Σ (1 ± λ) w c`` over valid tokens: 0 for the default
+rule).
 The paper reports λ* small and positive (≈2.5e-4…1.75e-3 on Qwen models).
 """
 
@@ -117,7 +120,8 @@ class OPEFO(Intervention):
 
     def _weights(self, view: MinibatchView, ctx: MicroBatchContext) -> Tensor:
         valid = view.valid
-        flow = torch.where(valid, self.token_flow(view), torch.zeros_like(view.mask))
+        # As applied: the loss multiplies each token by its engine importance weight too (engine_is_cap).
+        flow = torch.where(valid, view.applied(self.token_flow(view)), torch.zeros_like(view.mask))
         up, down = flow > 0, flow < 0
         totals = all_sum(torch.stack([flow[up].sum(), -flow[down].sum(), up.sum().float(), down.sum().float()]))
         flow_up, flow_down, n_up, n_down = (t.item() for t in totals)

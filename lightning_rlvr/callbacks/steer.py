@@ -16,7 +16,9 @@ Reference semantics (``zz-haooo/STEER``, ``compute_token_weights``): the default
 ``omega="code"`` is the released code's ``Ω = A·r·(1−π)(log π + H_old)`` with the *old-policy* entropy;
 ``"onlyza"`` and ``"exact"`` are the corrected estimates of ALGORITHMS.md §13.2 (the code's Ω lacks a factor
 ``π`` against the first-order change; see :mod:`lightning_rlvr.algorithms.entropy_change`). The paper's main
-runs use exp mode with ``λ_min = 0.8``, clip 0.2/0.28 and dual-clip ``c = 10`` (set those on the module).
+runs use exp mode with ``λ_min = 0.8``, clip 0.2/0.28 and dual-clip ``c = 10`` (set those on the module). With
+``RLVRModule(engine_is_cap=...)`` each token's update is also multiplied by its engine importance weight ``w``, so
+``|Ω|`` is that of the applied update, ``|w·Ω|``.
 
 Metrics (each over a minibatch's valid tokens on all ranks, averaged over the step's minibatches):
 ``steer/weight_mean``, ``steer/weight_min``, ``steer/weight_max``, ``steer/omega_abs_max``, and
@@ -96,8 +98,9 @@ class STEER(Intervention):
         return view.once(self, lambda: self._weights(view, ctx))[rows]
 
     def _weights(self, view: MinibatchView, ctx: MicroBatchContext) -> Tensor:
-        omega = steer_omega(self.omega, view.advantages, view.logprobs, view.old_logprobs, view.old_entropy,
-                            view.entropy, view.sbar)
+        # As applied: the loss multiplies each token by its engine importance weight too (engine_is_cap).
+        omega = view.applied(steer_omega(self.omega, view.advantages, view.logprobs, view.old_logprobs,
+                                         view.old_entropy, view.entropy, view.sbar))
         magnitude, valid = omega.abs(), view.valid
         # Extremes over the valid tokens of every rank (±inf where a rank has none: neutral for max).
         highest = all_max(torch.where(valid, magnitude, -torch.inf).amax() if valid.any()

@@ -6,6 +6,7 @@ return, and builds the minibatch statistics that batch-level interventions selec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,7 +64,10 @@ class InterventionRunner:
             factor = cb.token_weights(self.trainer, self.module, mctx)
             if factor is not None:
                 mctx.weights = mctx.weights * factor.detach()
-        pg_loss = mctx.aggregate(mctx.policy_loss.loss * mctx.weights)
+        loss = mctx.policy_loss.loss
+        if mctx.engine_weights is not None:
+            loss = loss * mctx.engine_weights
+        pg_loss = mctx.aggregate(loss * mctx.weights)
         extra = torch.zeros((), device=pg_loss.device, dtype=pg_loss.dtype)
         for cb in self.interventions:
             term = cb.extra_loss(self.trainer, self.module, mctx)
@@ -79,6 +83,7 @@ class InterventionRunner:
 
 def minibatch_view(scorer: PolicyScorer, policy: torch.nn.Module, rollout: RolloutBatch, rows: Tensor,
                    advantages: Tensor, old: TokenStats | None, needs: Needs, unchanged: bool, clip: tuple,
+                   engine_weights: Callable[[Tensor, Tensor, Tensor], Tensor | None],
                    stats: TokenStats | None = None, policy_loss: PolicyLossOutput | None = None) -> MinibatchView:
     """The statistics of minibatch ``rows`` that batch-level interventions select over.
 
@@ -86,7 +91,8 @@ def minibatch_view(scorer: PolicyScorer, policy: torch.nn.Module, rollout: Rollo
     step's first update (``unchanged``), from the behaviour stats the engine computed while decoding (the same
     policy); otherwise from one no-grad pass over the minibatch at the current parameters, in micro-batch-sized
     chunks (the same rows as the training forward's, so the same values), before its micro-batches are trained on.
-    ``clip`` is the surrogate's ``(clip_low, clip_high, dual_clip)``.
+    ``clip`` is the surrogate's ``(clip_low, clip_high, dual_clip)``; ``engine_weights(old_logprobs, rows, mask)`` the
+    engine importance weights of those rows (``None`` without a correction), the same the loss applies.
     """
     if stats is None and unchanged and needs.nucleus_top_p is None:
         stats = engine_behaviour_stats(rollout, needs.flow_stats, rows)
@@ -99,7 +105,9 @@ def minibatch_view(scorer: PolicyScorer, policy: torch.nn.Module, rollout: Rollo
     if policy_loss is None:
         policy_loss = ppo_clip_loss(logprobs, old_logprobs, advantages, *clip)
     sbar = None if stats.sbar is None else stats.sbar.detach()
-    return MinibatchView(mask=rollout.response_mask[rows], advantages=advantages, logprobs=logprobs,
+    mask = rollout.response_mask[rows]
+    return MinibatchView(mask=mask, advantages=advantages, logprobs=logprobs,
                          old_logprobs=old_logprobs, entropy=stats.entropy.detach(), old_entropy=old_entropy,
                          policy_loss=detached(policy_loss), sbar=sbar,
-                         nucleus_entropy=stats.nucleus_entropy, top2_gap=stats.top2_gap)
+                         nucleus_entropy=stats.nucleus_entropy, top2_gap=stats.top2_gap,
+                         engine_weights=engine_weights(old_logprobs, rows, mask))

@@ -54,11 +54,12 @@ class UpdateStats:
     def _plus(total: float | None, value: float) -> float:
         return (0.0 if total is None else total) + value
 
-    def add_engine(self, engine_kl: float, affected: float | None, mode_truncates: bool) -> None:
-        """The engine mismatch of one micro-batch, and the share of tokens its correction capped or dropped."""
+    def add_engine_kl(self, engine_kl: float) -> None:
+        """The engine mismatch of one micro-batch."""
         self.engine_kl = self._plus(self.engine_kl, engine_kl)
-        if affected is None:
-            return
+
+    def add_engine_correction(self, affected: float, mode_truncates: bool) -> None:
+        """The share of one micro-batch's tokens that the engine correction capped or dropped."""
         if mode_truncates:
             self.tis_clip = self._plus(self.tis_clip, affected)
         else:

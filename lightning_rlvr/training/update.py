@@ -42,7 +42,7 @@ from lightning_rlvr.training.hooks import minibatch_view
 from lightning_rlvr.training.stats import UpdateStats
 
 __all__ = ["GradientSync", "MicroBatch", "MicroBatchLoss", "Minibatch", "RolloutStep", "all_ranks_finite",
-           "begin_step", "engine_mismatch", "micro_batch_loss", "updates_per_rollout"]
+           "begin_step", "engine_correction", "log_engine_mismatch", "micro_batch_loss", "updates_per_rollout"]
 
 
 @dataclass
@@ -169,10 +169,16 @@ def micro_batch_loss(module: Any, step: RolloutStep, minibatch: Minibatch, micro
     rollout, old, index = step.rollout, step.old, micro.index
     clip = hp.clip_low, hp.clip_high, hp.dual_clip
     unchanged = module.policy_version == rollout.policy_version  # no update applied yet this step
+    engine_logprobs = rollout.engine_logprobs
+
+    def correction(old_logprobs: Tensor, rows: Tensor, mask: Tensor, **counted) -> Tensor | None:
+        return engine_correction(hp, old_logprobs, None if engine_logprobs is None else engine_logprobs[rows], mask,
+                                 **counted)
+
     if hooks and needs.minibatch_stats and minibatch.view is None and minibatch.micro_batch_count > 1:
         # Batch-level intervention statistics over the whole minibatch, whatever the micro-batch size.
         minibatch.view = minibatch_view(module.scorer, module.policy, rollout, minibatch.index,
-                                        step.ctx.advantages[minibatch.index], old, needs, unchanged, clip)
+                                        step.ctx.advantages[minibatch.index], old, needs, unchanged, clip, correction)
     token_stats = module.token_stats(module.policy, rollout.select(index), entropy_grad=needs.entropy_grad,
                                      with_sbar=needs.flow_stats, nucleus_top_p=needs.nucleus_top_p)
     # On the single on-policy update the current policy *is* the behaviour policy.
@@ -185,22 +191,25 @@ def micro_batch_loss(module: Any, step: RolloutStep, minibatch: Minibatch, micro
             step.seen.sbar[index] = token_stats.sbar
     mask = rollout.response_mask[index]
     advantages = step.ctx.advantages[index]
-    policy_loss = ppo_clip_loss(token_stats.logprobs, old_logprobs, advantages, *clip)
+    surrogate = ppo_clip_loss(token_stats.logprobs, old_logprobs, advantages, *clip)
+    weight = None
     if rollout.engine_logprobs is not None:
-        policy_loss = engine_mismatch(hp, policy_loss, old_logprobs, rollout.engine_logprobs[index], mask,
-                                      minibatch.n_tokens, stats)
+        log_engine_mismatch(old_logprobs, rollout.engine_logprobs[index], mask, minibatch.n_tokens, stats)
+        weight = correction(old_logprobs, index, mask, stats=stats, n_tokens=minibatch.n_tokens)
+    policy_loss = surrogate if weight is None else dataclasses.replace(surrogate, loss=surrogate.loss * weight)
     aggregate = functools.partial(aggregate_loss, mask=mask, mode=hp.loss_aggregation, normalizer=minibatch.normalizer)
     ref_logprobs = None if step.ref_logprobs is None else step.ref_logprobs[index]
     if hooks:
         if needs.minibatch_stats and minibatch.view is None:  # one micro-batch: it is the minibatch
             minibatch.view = minibatch_view(module.scorer, module.policy, rollout, index, advantages, old, needs,
-                                            unchanged, clip, stats=token_stats, policy_loss=policy_loss)
+                                            unchanged, clip, lambda *_: weight, stats=token_stats,
+                                            policy_loss=surrogate)
         mctx = MicroBatchContext(
             step=step.ctx, index=index, mask=mask, advantages=advantages, logprobs=token_stats.logprobs,
             old_logprobs=old_logprobs, entropy=token_stats.entropy, old_entropy=old_entropy, sbar=token_stats.sbar,
             nucleus_entropy=token_stats.nucleus_entropy, top2_gap=token_stats.top2_gap, ref_logprobs=ref_logprobs,
-            policy_loss=policy_loss, weights=torch.ones_like(mask), aggregate=aggregate, minibatch=minibatch.view,
-            rows=micro.rows, share_scale=minibatch.micro_batch_count * module.trainer.world_size,
+            policy_loss=surrogate, weights=torch.ones_like(mask), aggregate=aggregate, minibatch=minibatch.view,
+            rows=micro.rows, share_scale=minibatch.micro_batch_count * module.trainer.world_size, engine_weights=weight,
         )
         pg_loss, extra = hooks.policy_loss_and_extra(mctx)
         stats.add_extra(extra)
@@ -216,28 +225,32 @@ def micro_batch_loss(module: Any, step: RolloutStep, minibatch: Minibatch, micro
     return MicroBatchLoss(loss, pg_loss, kl_loss, policy_loss, old_logprobs, token_stats.logprobs, mask)
 
 
-def engine_mismatch(hp: Any, policy_loss: PolicyLossOutput, old_logprobs: Tensor, engine_logprobs: Tensor,
-                    mask: Tensor, n_tokens: Tensor, stats: UpdateStats) -> PolicyLossOutput:
-    """Measure the sampler/trainer mismatch and, with ``engine_is_cap``, correct it (importance sampling).
-
-    ``rollout/engine_kl`` is the k1 estimate of KL(π_engine ‖ π_old) on the sampled tokens,
-    mean(log π_engine − log π_old). With a cap ``C`` each token's policy loss is weighted (detached) as
-    ``engine_is_mode`` says (:func:`~lightning_rlvr.algorithms.engine_correction.engine_importance_weights`):
-    the rollout was sampled by the engine, not by the policy the PPO ratio is taken against.
-    ``policy/tis_clipfrac`` / ``policy/mis_maskfrac`` is the share of tokens capped / dropped.
-    """
+def log_engine_mismatch(old_logprobs: Tensor, engine_logprobs: Tensor, mask: Tensor, n_tokens: Tensor,
+                        stats: UpdateStats) -> None:
+    """``rollout/engine_kl``: the k1 estimate of KL(π_engine ‖ π_old) on the sampled tokens,
+    mean(log π_engine − log π_old)."""
     with torch.no_grad():
         log_ratio = old_logprobs.detach() - engine_logprobs
-        denom = n_tokens.clamp_min(1)
-        engine_kl = ((-log_ratio * mask).sum() / denom).item()
-        if hp.engine_is_cap is None:
-            stats.add_engine(engine_kl, None, True)
-            return policy_loss
-        mode = hp.engine_is_mode
-        weight, affected = engine_importance_weights(old_logprobs.detach(), engine_logprobs, mask, hp.engine_is_cap,
-                                                     mode)
-        stats.add_engine(engine_kl, (affected.float().sum() / denom).item(), mode.endswith("truncate"))
-    return dataclasses.replace(policy_loss, loss=policy_loss.loss * weight)
+        stats.add_engine_kl(((-log_ratio * mask).sum() / n_tokens.clamp_min(1)).item())
+
+
+def engine_correction(hp: Any, old_logprobs: Tensor, engine_logprobs: Tensor | None, mask: Tensor,
+                      stats: UpdateStats | None = None, n_tokens: Tensor | None = None) -> Tensor | None:
+    """With ``engine_is_cap``, the importance weight (detached) of each token, as ``engine_is_mode`` says
+    (:func:`~lightning_rlvr.algorithms.engine_correction.engine_importance_weights`): the rollout was sampled by the
+    engine, not by the policy the PPO ratio is taken against. ``None`` without a correction or engine log-probs.
+    With ``stats``, ``policy/tis_clipfrac`` / ``policy/mis_maskfrac`` (the share of tokens capped / dropped among
+    the minibatch's ``n_tokens``) is counted.
+    """
+    if hp.engine_is_cap is None or engine_logprobs is None:
+        return None
+    with torch.no_grad():
+        weight, affected = engine_importance_weights(old_logprobs.detach(), engine_logprobs, mask,
+                                                     hp.engine_is_cap, hp.engine_is_mode)
+        if stats is not None:
+            stats.add_engine_correction((affected.float().sum() / n_tokens.clamp_min(1)).item(),
+                                        hp.engine_is_mode.endswith("truncate"))
+    return weight
 
 
 class GradientSync:

@@ -124,3 +124,44 @@ def test_opefo_in_a_fit_balances_every_step(tiny_model_dir, memory_logger):
     for s in range(3):
         assert abs(h["opefo/net_flow_weighted"][s]) < 1e-6 * max(h["opefo/flow_up"][s], 1e-3)
         assert -1 < h["opefo/lambda"][s] < 1
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 3], ids=["whole", "micro_batches"])
+def test_with_an_engine_correction_the_applied_updates_net_flow_is_zero(micro_batch_size, monkeypatch, memory_logger):
+    """At a policy lag of 1 each token's loss also carries its importance weight ``min(π_old/π_engine, C)`` (C = 1.02: some are capped): OPEFO
+    balances the flow of the update as applied. Measured on the gradient of the loss the trainer backpropagates:
+    a token whose log-prob gets gradient ``G`` moves the entropy by ``G (S(a) − S̄)`` to first order (E3), and these
+    sum to zero over each step's tokens."""
+    from test_module import reverse_data
+
+    from lightning_rlvr.callbacks import SupervisedWarmStart
+    from lightning_rlvr.rollout import HFEngine
+
+    torch.manual_seed(0)
+    module = RLVRModule(model="builtin:tiny", learning_rate=1e-2, engine_is_cap=1.02, micro_batch_size=micro_batch_size)
+    forwards = []
+    scored = module.token_stats
+
+    def keep_the_training_forward(model, batch, *args, **kwargs):
+        stats = scored(model, batch, *args, **kwargs)
+        if stats.logprobs.requires_grad:
+            stats.logprobs.retain_grad()
+            forwards.append((module.policy_version, stats, batch.response_mask))
+        return stats
+
+    monkeypatch.setattr(module, "token_stats", keep_the_training_forward)
+    data = reverse_data(engine=HFEngine(weights="copy"), max_policy_lag=1)
+    trainer(4, callbacks=[SupervisedWarmStart(steps=100), OPEFO(strict_on_policy=False)],
+            logger=memory_logger).fit(module, data)
+    assert max(memory_logger.history["policy/tis_clipfrac"][s] for s in range(1, 4)) > 0  # the correction acted
+    balanced = 0
+    for version in range(1, 4):  # the lagged steps
+        net = magnitude = 0.0
+        for _, stats, mask in (f for f in forwards if f[0] == version):
+            logprobs = stats.logprobs.detach()
+            score = logprobs.exp() * (logprobs + stats.entropy.detach())  # S(a) = π_a (log π_a + H)
+            flow = stats.logprobs.grad * (score - stats.sbar) * mask
+            net, magnitude = net + flow.sum().item(), magnitude + flow.abs().sum().item()
+        assert abs(net) <= 1e-4 * magnitude, (version, net, magnitude)
+        balanced += magnitude > 0  # a step whose groups all scored alike has no gradient
+    assert balanced >= 2
