@@ -27,7 +27,9 @@ What it enforces, as vLLM does (read from vLLM's source: ``engine/arg_utils.py``
 - it records the autograd / inference-mode / autocast / default-dtype context of every call (``contexts``), so
   tests can check what the engine is called under (vLLM itself would not complain, it would misbehave);
 - a ``lora_request`` needs ``enable_lora=True`` and an adapter of rank at most ``max_lora_rank``; it generates with
-  the adapter read from ``lora_path`` (a PEFT directory) applied to the weights it holds.
+  the adapter read from ``lora_path`` (a PEFT directory) applied to the weights it holds;
+- ``version`` (default 0.33.0): with ``enable_lora`` before 0.28 the LoRA-capable linear layers' weights are named
+  ``…q_proj.base_layer.weight``, and ``load_weights`` refuses their plain names, as vLLM 0.21-0.27 does.
 
 It generates with a real copy of the model (``transformers``, float32, a full forward per token: an independent
 implementation, not HFEngine's loop), so a stale, partial or misnamed weight push changes what it samples and its
@@ -40,6 +42,7 @@ import dataclasses
 import gc
 import os
 import random
+import re
 import sys
 import types
 import weakref
@@ -110,12 +113,15 @@ def _context(call: str) -> dict:
             "autocast": torch.is_autocast_enabled("cpu"), "default_dtype": torch.get_default_dtype()}
 
 
+_LORA_LINEAR = re.compile(r"\.((?:q|k|v|o|gate|up|down)_proj)\.(weight|bias)$")
+
+
 class FakeLLM:
     """``vllm.LLM`` as VLLMEngine uses it (module docstring)."""
 
     _sleep_mode_instances: weakref.WeakSet = weakref.WeakSet()
 
-    def __init__(self, model: str, **kwargs) -> None:
+    def __init__(self, model: str, version: str = "0.33.0", **kwargs) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         unknown = set(kwargs) - LLM_ARGUMENTS
@@ -155,6 +161,10 @@ class FakeLLM:
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.parameters = dict(self.model.named_parameters())
+        self.release = tuple(int(part) for part in version.split(".")[:2])
+        if kwargs.get("enable_lora") and self.release < (0, 28):
+            # vLLM wraps each LoRA-capable linear layer; before 0.28 nothing forwards the plain names to it
+            self.parameters = {_LORA_LINEAR.sub(r".\1.base_layer.\2", name): p for name, p in self.parameters.items()}
         self.asleep: set[str] = set()
         model_handle = types.SimpleNamespace(load_weights=self._load_weights)
         worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=model_handle))

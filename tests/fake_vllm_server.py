@@ -119,9 +119,10 @@ class FakeVLLMServer:
         self.defaults = {key: value for key, value in GenerationConfig.from_pretrained(model_dir).to_dict().items()
                          if key in OPENAI_DEFAULTS and value is not None}
         self.name = served_model_name or model_dir
+        self.logprobs_mode = logprobs_mode
         self.dev_mode, self.workers, self.pause_delay_s = dev_mode, workers, pause_delay_s
         self.version, self.timeout = version, timedelta(seconds=timeout_s)
-        release = tuple(int(part) for part in version.split(".")[:2])
+        self.release = release = tuple(int(part) for part in version.split(".")[:2])
         self.packing_in = "update_info" if release < (0, 28) else "init_info"
         self.has_start_finish, self.start_needs_body = release >= (0, 21), release < (0, 25)
         self.calls: list[tuple[str, str]] = []
@@ -134,6 +135,11 @@ class FakeVLLMServer:
         self._running.set()
         self.app = self._build_app()
         self.url = ""
+
+    def server_info(self, config_format: str = "text") -> dict:
+        """vLLM's dev-mode ``/server_info``: its configuration as text, or as the JSON dump of ``VllmConfig``."""
+        config = {"model_config": {"logprobs_mode": self.logprobs_mode, "max_model_len": self.llm.max_model_len}}
+        return {"vllm_config": config if config_format == "json" else str(config)}
 
     # -- serving ------------------------------------------------------------------------------------------
     def __enter__(self) -> FakeVLLMServer:
@@ -182,6 +188,7 @@ class FakeVLLMServer:
              "max_model_len": self.llm.max_model_len}]})
         app.post("/v1/completions")(self.completions)
         app.get("/get_world_size")(lambda: {"world_size": self.workers})
+        app.get("/server_info")(self.server_info)
         app.post("/init_weight_transfer_engine")(self.init_weight_transfer)
         app.post("/pause")(self.pause)
         app.post("/resume")(self.resume)
@@ -190,6 +197,8 @@ class FakeVLLMServer:
             app.post("/start_weight_update")(self.start_weight_update)
             app.post("/finish_weight_update")(self.finish_weight_update)
         app.post("/update_weights")(self.update_weights)
+        if self.release >= (0, 33):
+            app.post("/shutdown_weight_transfer_engine")(self.shutdown_weight_transfer)
         app.post("/reset_prefix_cache")(self.reset_prefix_cache)
         return app
 
@@ -298,6 +307,11 @@ class FakeVLLMServer:
         if clear_cache:  # once paused, vLLM's engine core resets its prefix (and other) caches
             self.llm.reset_prefix_cache()
         return {"status": "paused"}
+
+    def shutdown_weight_transfer(self) -> dict:
+        """0.33+: close the weight-transfer engine; the next ``/init_weight_transfer_engine`` opens a new one."""
+        self._groups, self._updating = [], False
+        return {"status": "ok"}
 
     def resume(self) -> dict:
         self._running.set()

@@ -256,6 +256,36 @@ def test_vllm_serves_the_adapter_through_its_lora_support(tiny_model_dir, memory
     assert max(abs(v) for v in kl.values()) < 1e-5
 
 
+def test_adapter_mode_is_refused_where_vllm_cannot_serve_it(tiny_model_dir, monkeypatch):
+    """Before 0.28 vLLM names an enable_lora model's linear weights ``…q_proj.base_layer.weight`` and loads nothing
+    under the plain names (the stand-in enforces this per version); and it refuses adapters with modules_to_save."""
+    import functools
+
+    import lightning_rlvr.rollout.vllm as vllm_module
+    from lightning_rlvr.rollout import VLLMEngine
+    from tests.fake_vllm import FakeLLM, LoRARequest, fake_sampling_params
+
+    def engine(version: str) -> VLLMEngine:
+        return VLLMEngine(llm_factory=functools.partial(FakeLLM, version=version),
+                          sampling_params_factory=fake_sampling_params, lora_request_factory=LoRARequest,
+                          lora_mode="adapter", logprobs_mode="processed_logprobs")
+
+    from lightning_rlvr.lora import attach_lora
+
+    policy = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoRA(**LORA))
+    monkeypatch.setattr(vllm_module, "installed_vllm_release", lambda: None)  # what the push meets without the check
+    with pytest.raises(KeyError, match="q_proj.weight"):
+        engine("0.27.1").sync(policy, 0)
+    engine("0.28.0").sync(policy, 0)
+    monkeypatch.setattr(vllm_module, "installed_vllm_release", lambda: (0, 27))
+    with pytest.raises(ValueError, match="needs vLLM >= 0.28"):
+        engine("0.27.1").sync(policy, 0)
+    monkeypatch.setattr(vllm_module, "installed_vllm_release", lambda: (0, 33))
+    saving = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoRA(**LORA, modules_to_save=["norm"]))
+    with pytest.raises(ValueError, match=r"modules_to_save=\[.norm.\]"):
+        engine("0.33.0").sync(saving, 0)
+
+
 def test_export_takes_a_checkpoint_written_by_the_cli(tmp_path, monkeypatch):
     """LightningCLI saves its own entries (``_instantiator``) among the hyperparameters; export must skip them."""
     from lightning_rlvr.cli import build_cli, main

@@ -26,7 +26,8 @@ class SamplingConfig:
 
     Attributes:
         max_new_tokens: generation limit per completion.
-        temperature: softmax temperature (the trainer divides logits by the same value).
+        temperature: softmax temperature in ``(0, 2]`` (the trainer divides logits by the same value; vLLM from 0.28
+            refuses more than 2).
         top_p: nucleus sampling (1.0 = off).
         top_k: top-k sampling (0 = off).
         greedy: argmax decoding (validation accuracy); ignores the sampling knobs.
@@ -51,8 +52,8 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.temperature <= 2:  # vLLM >= 0.28 refuses more, so a colocated run would fail at generate
+            raise ValueError(f"temperature must be in (0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

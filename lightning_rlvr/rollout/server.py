@@ -34,6 +34,7 @@ Start the server as::
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import urllib.parse
@@ -142,12 +143,19 @@ class NCCLWeightTransport(WeightTransport):
         # Fixed now: the current device is per thread, and a later push may come from the background thread.
         self._device = torch.device("cuda", torch.cuda.current_device())
         self.communicator = PyNcclCommunicator(group, device=self._device)
+        if getattr(self.communicator, "disabled", False):  # its broadcasts would do nothing while the server waits
+            raise RuntimeError("VLLMServerEngine: vLLM's PyNcclCommunicator disabled itself (world size 1, "
+                               "VLLM_DISABLE_PYNCCL set, or libnccl not found): no weights would reach the server")
 
     def broadcast(self, buffer: Tensor) -> None:
         self.communicator.broadcast(buffer, src=0, stream=torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
         self.communicator = None
+
+
+#: vLLM's ``VLLM_MAX_COMPLETION_PROMPTS`` default (from 0.28): longer prompt lists go in several requests.
+MAX_PROMPTS_PER_REQUEST = 1024
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -275,6 +283,7 @@ class VLLMServerEngine(RolloutEngine):
                              f"shared, or one per rank)")
         self.url = self.urls[rank % len(self.urls)]
         self.server_version = str(self._request("GET", "/version")["version"])
+        self._check_logprobs_mode()
         models = self._request("GET", "/v1/models")["data"]
         names = [m["id"] for m in models]
         if self.model is None and len(models) != 1:
@@ -286,6 +295,17 @@ class VLLMServerEngine(RolloutEngine):
         self.max_model_len = card.get("max_model_len")
         # the longest prompt that leaves room for one generated token (generate checks the real limit)
         self.max_prompt_tokens = None if self.max_model_len is None else self.max_model_len - 1
+
+    def _check_logprobs_mode(self) -> None:
+        """Refuse a server whose log-probs ignore the sampling temperature (vLLM's default ``raw_logprobs``): the
+        importance weights and ``rollout/engine_kl`` compare them with the trainer's at the temperature. The dev-mode
+        route ``GET /server_info?config_format=json`` gives the server's configuration."""
+        config = self._request("GET", "/server_info?config_format=json").get("vllm_config")
+        mode = config.get("model_config", {}).get("logprobs_mode") if isinstance(config, dict) else None
+        if mode != "processed_logprobs":
+            raise ValueError(f"VLLMServerEngine: the server at {self.url} returns {mode or 'unknown'} log-probs; start "
+                             f"it with --logprobs-mode processed_logprobs (the log-probs of the distribution it "
+                             f"samples from, after the temperature), which the trainer's are compared with")
 
     def _connect(self) -> None:
         """Set up the weight-transfer group: the server's ``init_weight_transfer_engine`` and the trainer's side of
@@ -373,17 +393,27 @@ class VLLMServerEngine(RolloutEngine):
         update_info = {"names": [name for name, _, _ in metadata], "shapes": [list(shape) for _, shape, _ in metadata],
                        "dtype_names": [str(dtype).removeprefix("torch.") for _, _, dtype in metadata], **update_extra}
         self._request("POST", "/pause?mode=keep")  # new requests wait; running ones are kept; caches are cleared
-        self._request("POST", "/start_weight_update", {"is_checkpoint_format": True})
-        reply = self._in_background("POST", "/update_weights", {"update_info": update_info})
         try:
+            self._request("POST", "/start_weight_update", {"is_checkpoint_format": True})
+            reply = self._in_background("POST", "/update_weights", {"update_info": update_info})
             self._broadcast(weights(), reply)
             reply.join()
         except BaseException:
-            # the server holds part of an update and the group may be mid-collective: both must start afresh
+            # the server holds part of an update and the group may be mid-collective: both must start afresh, and
+            # a server left paused would keep every later request waiting
             self._transport, self.version = None, -1
+            self._resume_after_failure()
             raise
         self._request("POST", "/finish_weight_update", {"weight_version": str(version)})
         self._request("POST", "/resume")
+
+    def _resume_after_failure(self) -> None:
+        """Best effort after a failed update: resume generation, and from vLLM 0.33 close the weight-transfer
+        engine, so that the next sync starts a new one."""
+        paths = ["/resume"] + (["/shutdown_weight_transfer_engine"] if _version(self.server_version) >= (0, 33) else [])
+        for path in paths:
+            with contextlib.suppress(Exception):
+                self._request("POST", path, timeout=30)
 
     def _check_alignment(self, metadata: list[tuple[str, torch.Size, torch.dtype]]) -> None:
         """vLLM's receiver views each tensor's bytes in place (no padding between tensors), which needs every tensor
@@ -442,7 +472,7 @@ class VLLMServerEngine(RolloutEngine):
         if sampling.greedy and n > 1:  # vLLM refuses n > 1 when greedy: each copy is a prompt (rows stay grouped)
             prompts, n = [p for p in prompts for _ in range(n)], 1
         body = {
-            "model": self.served_model, "prompt": [list(map(int, p)) for p in prompts], "n": n,
+            "model": self.served_model, "n": n,
             "max_tokens": sampling.max_new_tokens, "stop_token_ids": list(stop_ids), "logprobs": 0,
             "return_token_ids": True, "min_tokens": 0, "ignore_eos": False, "skip_special_tokens": False,
             # every sampling field explicitly: one left out takes the checkpoint's generation_config.json default
@@ -450,8 +480,12 @@ class VLLMServerEngine(RolloutEngine):
             "top_p": 1.0 if sampling.greedy else sampling.top_p, "top_k": 0 if sampling.greedy else sampling.top_k,
             "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
         }
-        reply = self._request("POST", "/v1/completions", body)
-        return self._to_output(prompts, reply.get("choices") or [], n, stop_ids)
+        choices = []
+        for start in range(0, len(prompts), MAX_PROMPTS_PER_REQUEST):  # vLLM >= 0.28 takes at most 1024 a request
+            chunk = prompts[start : start + MAX_PROMPTS_PER_REQUEST]
+            reply = self._request("POST", "/v1/completions", {**body, "prompt": [list(map(int, p)) for p in chunk]})
+            choices += [{**choice, "index": choice["index"] + start * n} for choice in reply.get("choices") or []]
+        return self._to_output(prompts, choices, n, stop_ids)
 
     def _to_output(self, prompts: list[list[int]], choices: list[dict], n: int,
                    stop_ids: tuple[int, ...]) -> GenerationOutput:

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -218,8 +219,7 @@ class VLLMEngine(RolloutEngine):
             kwargs["distributed_executor_backend"] = "external_launcher"  # one engine per trainer rank
             _set_launcher_environment()
         if self._serves_adapter(policy):
-            if is_sharded(policy):
-                raise ValueError("VLLMEngine(lora_mode='adapter') needs an unsharded policy: use lora_mode='merged'")
+            _check_adapter_mode(policy)
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_vllm_lora_rank(policy))
         self.llm_kwargs = kwargs
         with preserved_rng_state():  # vLLM's worker reseeds random, numpy, torch and CUDA with `seed`
@@ -361,3 +361,35 @@ class VLLMEngine(RolloutEngine):
                     raise RuntimeError("vLLM returned no log-probs (SamplingParams.logprobs=0 asks for them)")
                 logprobs.append([step[token].logprob for step, token in zip(completion.logprobs, tokens)])
         return self.from_rows(prompts, n, rows, logprobs, stopped, pad_id)
+
+
+def installed_vllm_release() -> tuple[int, ...] | None:
+    """``(major, minor)`` of the installed vLLM, or ``None`` where none is installed."""
+    try:
+        text = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in text.split(".")[:2])
+
+
+def _check_adapter_mode(policy: nn.Module) -> None:
+    """Refuse what vLLM's LoRA path cannot serve, before vLLM is built.
+
+    - A sharded policy: its adapter cannot be written from one rank.
+    - vLLM before 0.28: it wraps every LoRA-capable linear layer (``…q_proj.base_layer.weight``) and nothing forwards
+      the base weights' plain names to the wrapped layer until 0.28, so the first push fails.
+    - ``modules_to_save``: vLLM refuses such adapters (only ``classifier`` / ``score`` may be saved), and the trained
+      copies would reach it only with the base weights, pushed once.
+    """
+    if is_sharded(policy):
+        raise ValueError("VLLMEngine(lora_mode='adapter') needs an unsharded policy: use lora_mode='merged'")
+    release = installed_vllm_release()
+    if release is not None and release < (0, 28):
+        raise ValueError(f"VLLMEngine(lora_mode='adapter') needs vLLM >= 0.28 (before it, the base weights cannot be "
+                         f"loaded into an enable_lora model under their names); vLLM {'.'.join(map(str, release))} "
+                         f"is installed: use lora_mode='merged'")
+    saved = sorted({name for config in policy.peft_config.values() for name in (config.modules_to_save or [])}
+                   - {"classifier", "score"})
+    if saved:
+        raise ValueError(f"VLLMEngine(lora_mode='adapter') cannot serve an adapter with modules_to_save={saved}: "
+                         f"vLLM refuses it, and the trained copies would reach vLLM only once; use lora_mode='merged'")

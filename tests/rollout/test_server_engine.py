@@ -74,7 +74,8 @@ def test_the_update_follows_vllms_four_phases_and_only_when_the_version_moved(ti
         with torch.no_grad():
             chat_policy.lm_head.weight.add_(0.1)
         engine.sync(chat_policy, 1)
-        routes = [path for method, path in server.calls if path not in ("/v1/models", "/version")]
+        routes = [path for method, path in server.calls
+                  if path not in ("/v1/models", "/version", "/server_info?config_format=json")]
         update = ["/pause?mode=keep", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
         assert routes == ["/get_world_size", "/init_weight_transfer_engine", *update, *update]
         assert [c[0] for c in server.llm.calls].count("reset_prefix_cache") == 2  # pausing cleared the cache
@@ -318,3 +319,90 @@ def test_ranks_share_one_server_and_none_generates_before_the_push(tiny_model_di
         for rank in ranks:
             kl = rank["history"]["rollout/engine_kl"]
             assert len(kl) == 4 and all(abs(value) < 1e-5 for value in kl.values()), (strategy, kl)
+
+
+def test_a_server_whose_logprobs_ignore_the_temperature_is_refused(tiny_chat_dir, chat_policy):
+    """vLLM's default ``--logprobs-mode raw_logprobs`` scores before the temperature: every importance weight at
+    T != 1 would be off. The engine reads the mode from the dev route ``/server_info?config_format=json``."""
+    with FakeVLLMServer(tiny_chat_dir, logprobs_mode="raw_logprobs") as server:
+        with pytest.raises(ValueError, match="raw_logprobs log-probs; start it with --logprobs-mode processed_logprobs"):
+            make_engine(server).sync(chat_policy, 0)
+        assert ("GET", "/server_info?config_format=json") in server.calls
+        assert not any(path.startswith("/pause") for _, path in server.calls)
+
+
+def test_a_failed_update_resumes_the_server_so_later_requests_do_not_wait_forever(tiny_chat_dir, chat_policy,
+                                                                                  monkeypatch):
+    mixed = copy.deepcopy(chat_policy)
+    mixed.model.embed_tokens.weight = torch.nn.Parameter(mixed.model.embed_tokens.weight.half())
+    mixed.weight = torch.nn.Parameter(torch.ones(4))  # a float32 tensor that vLLM's receiver cannot view in place
+    monkeypatch.setattr(VLLMServerEngine, "_check_alignment", lambda self, metadata: None)
+    for version, closes in (("0.27.0", False), ("0.33.0", True)):
+        with FakeVLLMServer(tiny_chat_dir, version=version) as server:
+            engine = make_engine(server)
+            with pytest.raises(RuntimeError, match="HTTP 500"):
+                engine.sync(mixed, 0)
+            paths = [path for _, path in server.calls]
+            assert paths[paths.index("/pause?mode=keep"):][-(2 if closes else 1):] == \
+                ["/resume"] + (["/shutdown_weight_transfer_engine"] if closes else [])
+            assert server._running.is_set()  # not paused: a request is served
+            out = engine.generate([[1, 2, 3]], 1, SamplingConfig(max_new_tokens=2))
+            assert out.completion_ids.shape[0] == 1
+
+
+def test_a_disabled_nccl_communicator_is_refused_at_once(monkeypatch):
+    """vLLM's PyNcclCommunicator disables itself (world size 1, VLLM_DISABLE_PYNCCL, no libnccl); its broadcasts
+    then do nothing, and the server would wait minutes for weights that never come."""
+    import sys
+    import types
+
+    from lightning_rlvr.rollout.server import NCCLWeightTransport
+
+    created = []
+
+    class Communicator:
+        def __init__(self, group, device):
+            self.disabled = True
+            created.append(device)
+
+    pynccl = types.ModuleType("vllm.distributed.device_communicators.pynccl")
+    pynccl.PyNcclCommunicator = Communicator
+    utils = types.ModuleType("vllm.distributed.utils")
+    utils.StatelessProcessGroup = types.SimpleNamespace(create=lambda **kwargs: object())
+    monkeypatch.setitem(sys.modules, "vllm.distributed.device_communicators.pynccl", pynccl)
+    monkeypatch.setitem(sys.modules, "vllm.distributed.utils", utils)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    transport = NCCLWeightTransport()
+    with pytest.raises(RuntimeError, match="disabled itself"):
+        transport.connect("127.0.0.1", 1, 2)
+    assert created == [torch.device("cuda", 1)] and transport.device == torch.device("cuda", 1)
+
+
+def test_the_sampling_temperature_is_at_most_two_as_vllm_requires():
+    assert SamplingConfig(temperature=2.0).temperature == 2.0
+    for temperature in (0.0, 2.5):
+        with pytest.raises(ValueError, match=r"temperature must be in \(0, 2\]"):
+            SamplingConfig(temperature=temperature)
+
+
+def test_more_prompts_than_a_request_takes_go_in_several_requests(tiny_chat_dir, chat_policy, monkeypatch):
+    """vLLM from 0.28 takes at most VLLM_MAX_COMPLETION_PROMPTS (1024) prompts per request; greedy n > 1 multiplies
+    them. Here the limit is 4 on both sides: 5 prompts x 2 greedy copies go in requests of 4, 4 and 2, and the rows
+    come back in order, as one request gives them."""
+    import fake_vllm_server
+
+    import lightning_rlvr.rollout.server as server_module
+
+    prompts = [[1, 2, 3 + i] for i in range(5)]
+    greedy = SamplingConfig(max_new_tokens=3, greedy=True)
+    with FakeVLLMServer(tiny_chat_dir) as server:
+        engine = make_engine(server)
+        engine.sync(chat_policy, 0)
+        whole = engine.generate(prompts, 2, greedy)
+        monkeypatch.setattr(fake_vllm_server, "MAX_PROMPTS", 4)
+        monkeypatch.setattr(server_module, "MAX_PROMPTS_PER_REQUEST", 4)
+        chunked = engine.generate(prompts, 2, greedy)
+        sizes = [len(request["prompt"]) for request in server.requests[-3:]]
+    assert sizes == [4, 4, 2]
+    assert torch.equal(chunked.completion_ids, whole.completion_ids)
+    assert torch.equal(chunked.prompt_ids, whole.prompt_ids)
