@@ -15,6 +15,7 @@ import threading
 import time
 import types
 import weakref
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,9 @@ def test_a_live_but_stuck_engine_process_is_killed_after_timeout_s(tiny_model_di
     from transformers import AutoModelForCausalLM
 
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    engine = ProcessEngine(threads=1, timeout_s=2)
-    engine.sync(policy, 0)
+    engine = ProcessEngine(threads=1)
+    engine.sync(policy, 0)  # the start may take longer than the deadline under test, on a loaded machine
+    engine.timeout = timedelta(seconds=2)
     process = engine._process
     os.kill(process.pid, signal.SIGSTOP)
     outcome: list = []

@@ -255,7 +255,7 @@ def test_the_vllm_server_config_trains_one_step_behind_the_server_stand_in(tiny_
     assert cli.trainer.global_step == 6
     history = cli.trainer.logger.history
     assert [history["rollout/policy_lag"][s] for s in sorted(history["rollout/policy_lag"])] == [0.0, 1.0, 1.0]
-    assert updates >= 3  # the pushes of the versions generated with
+    assert updates >= 2  # the versions the trained rollouts were generated with (none past the last step)
     assert request["stop_token_ids"] == [512, 514] and request["return_token_ids"] is True
     assert "val/accuracy" in history
     # bf16 policy, float32 server: its log-probs differ from the trainer's by bf16 rounding and the one-step lag
