@@ -257,27 +257,25 @@ class RLVRModule(pl.LightningModule):
 
     def planned_rollout_steps(self) -> int:
         """Rollout steps this fit will run: ``trainer.max_steps`` over the optimizer steps each rollout makes
-        (``ppo_epochs × ⌈rows / minibatch_size⌉``, rows = the DataModule's ``prompts_per_step × group_size`` per rank).
-
-        What a schedule given as a fraction of the run (``PositionShaping(active_fraction=...)``) is resolved against.
+        (``ppo_epochs × ⌈rows / minibatch_size⌉``, rows = the DataModule's ``prompts_per_step × group_size`` per rank),
+        what a schedule given as a fraction of the run (``PositionShaping(active_fraction=...)``) is resolved against.
 
         Raises:
             RuntimeError: outside a fit, or when ``max_steps`` does not bound the run.
         """
-        trainer = self._trainer
-        if trainer is None or trainer.max_steps is None or trainer.max_steps < 1:
+        if (planned := self.rollout_steps_left(from_step=0)) is None:
             raise RuntimeError("planned_rollout_steps: the run length is unknown (needs a Trainer with max_steps >= 1)")
-        rows = trainer.datamodule.prompts_per_step * trainer.datamodule.group_size
-        return math.ceil(trainer.max_steps / updates_per_rollout(rows, self.hparams)[1])
+        return planned
 
-    def rollout_steps_left(self) -> int | None:
-        """Rollout steps left in this fit, the current one included: ``⌈(max_steps − global_step) / optimizer steps
-        per rollout⌉`` (``None`` when ``max_steps`` does not bound the run). The background queue holds no more."""
+    def rollout_steps_left(self, from_step: int | None = None) -> int | None:
+        """Rollout steps left from optimizer step ``from_step`` (default: the current one, included), ``⌈(max_steps −
+        from_step) / optimizer steps per rollout⌉`` (``None``: unbounded); ``max_policy_lag``'s queue holds no more."""
         trainer = self._trainer
         if trainer is None or trainer.max_steps is None or trainer.max_steps < 1:
             return None
         rows = trainer.datamodule.prompts_per_step * trainer.datamodule.group_size
-        return math.ceil((trainer.max_steps - trainer.global_step) / updates_per_rollout(rows, self.hparams)[1])
+        done = trainer.global_step if from_step is None else from_step
+        return math.ceil((trainer.max_steps - done) / updates_per_rollout(rows, self.hparams)[1])
 
     def wants_behaviour_stats(self) -> bool:
         """Whether a step needs the behaviour policy's stats before its first update (several updates per rollout,

@@ -47,7 +47,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, NonNegativeInt
 
 from lightning_rlvr.rng import preserved_rng_state
-from lightning_rlvr.rollout.server import WeightTransport
+from lightning_rlvr.rollout.weight_transfer import WeightTransport
 
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
                    "presence_penalty": 0.0, "frequency_penalty": 0.0}

@@ -14,9 +14,9 @@ once). The queue never runs past the fit: it holds no more steps than ``max_step
 leave. A failed background generation is raised in the training thread at the next step, validation or checkpoint.
 When the fit fails (an exception, Ctrl+C), :meth:`LaggedRollouts.abort` cancels what has not started and does not
 wait for the generation in progress: the thread is a daemon, and the DataModule aborts the engine (a
-``ProcessEngine``'s process is killed). The batch's ``engine_logprobs`` are the generating policy's log-probs and it carries no behaviour
-statistics, so the trainer's old policy is the current one and ``RLVRModule(engine_is_cap=...)`` importance-corrects
-the staleness. Anything else that uses the engine (validation, probes, a checkpoint) waits for the background
+``ProcessEngine``'s process is killed). The batch's ``engine_logprobs`` are the generating policy's log-probs and it
+carries no behaviour statistics, so the trainer's old policy is the current one and ``RLVRModule(engine_is_cap=...)``
+importance-corrects the staleness. Anything else that uses the engine (validation, probes) waits for the background
 generations first. Under DDP each rank runs its own background generations on its own engine; the background does no
 collective (the reward-component names are united over ranks when the batch is built, in the training thread). A
 policy sharded across ranks (FSDP2, ZeRO-3) cannot be copied into ``HFEngine`` or ``ProcessEngine``;
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 import queue
 import threading
 from collections import deque
@@ -42,11 +43,25 @@ from lightning_rlvr.data.scoring import GeneratedRollout
 from lightning_rlvr.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rlvr.tasks import Problem
 
-__all__ = ["LaggedRollouts"]
+__all__ = ["LaggedRollouts", "mixed_seed", "steps_left"]
 
 #: ``generate(problems, version, sampling, refill_seed)``: one rollout's rounds with the engine's current weights
 #: (dynamic sampling's refills drawn from a sampler seeded with ``refill_seed``).
 Generate = Callable[[list[Problem], int, SamplingConfig, int], GeneratedRollout]
+
+
+def steps_left(trainer, handle: PolicyHandle) -> float:
+    """Rollout steps left in this fit and epoch, the current one included (``inf`` when nothing bounds them):
+    ``max_steps`` through the policy's :meth:`~lightning_rlvr.data.policy_handle.PolicyHandle.rollout_steps_left`,
+    and the epoch's batches once ``limit_train_batches`` applied."""
+    if trainer is None:
+        return math.inf
+    left = handle.rollout_steps_left()
+    left = math.inf if left is None else left
+    epoch_batches = trainer.num_training_batches
+    if math.isfinite(epoch_batches):  # `ready` counts this epoch's batches so far, the current one included
+        left = min(left, epoch_batches - trainer.fit_loop.epoch_loop.batch_progress.current.ready + 1)
+    return left
 
 
 def mixed_seed(*parts: int) -> int:

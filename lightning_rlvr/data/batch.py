@@ -81,12 +81,12 @@ class RolloutBatch:
     def _tensor_fields(self):
         return [f.name for f in fields(self) if isinstance(getattr(self, f.name), Tensor)]
 
-    def to(self, device: torch.device | str) -> "RolloutBatch":
+    def to(self, device: torch.device | str) -> RolloutBatch:
         """A copy with every tensor on ``device``."""
         return replace(self, **{name: getattr(self, name).to(device) for name in self._tensor_fields()},
                        reward_components={name: v.to(device) for name, v in self.reward_components.items()})
 
-    def select(self, index: Tensor) -> "RolloutBatch":
+    def select(self, index: Tensor) -> RolloutBatch:
         """The rows ``index`` (a long tensor), e.g. one minibatch."""
         cpu_index = index.tolist()
         return replace(

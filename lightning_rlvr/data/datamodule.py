@@ -25,7 +25,6 @@ again from there.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -36,9 +35,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_rlvr.data.async_rollouts import LaggedRollouts
+from lightning_rlvr.data.async_rollouts import LaggedRollouts, steps_left
 from lightning_rlvr.data.batch import RolloutBatch
 from lightning_rlvr.data.dynamic_sampling import RoundSettings, generate_rounds, needs_lockstep
+from lightning_rlvr.data.evaluation import PolicySampling
 from lightning_rlvr.data.policy_handle import EngineWeights, PolicyHandle
 from lightning_rlvr.data.samplers import ProblemDataset, ResumableShuffle, as_list, resumable_shuffle
 from lightning_rlvr.data.scoring import (
@@ -50,8 +50,6 @@ from lightning_rlvr.data.scoring import (
 )
 from lightning_rlvr.data.sources import BuiltinTask, PromptSource
 from lightning_rlvr.distributed import all_union
-from lightning_rlvr.metrics.pass_at_k import pass_at_k
-from lightning_rlvr.metrics.rcea import majority_vote_correct
 from lightning_rlvr.rng import rng_state, set_rng_state
 from lightning_rlvr.rollout.base import RolloutEngine, SamplingConfig
 from lightning_rlvr.rollout.hf import HFEngine
@@ -64,7 +62,7 @@ from lightning_rlvr.verifiers.exact import ExactMatchVerifier
 __all__ = ["RolloutDataModule"]
 
 
-class RolloutDataModule(pl.LightningDataModule):
+class RolloutDataModule(PolicySampling, pl.LightningDataModule):
     """Owns the prompt source, the rollout engine and the verifier.
 
     Args:
@@ -332,31 +330,13 @@ class RolloutDataModule(pl.LightningDataModule):
     def _upcoming_problems(self, steps_ahead: int) -> list[Problem] | None:
         """The prompts of the step ``steps_ahead`` after this one, from the shuffle's order (``None``: next epoch, or
         past the last step that ``max_steps`` or ``limit_train_batches`` leave)."""
-        if steps_ahead >= self._steps_left():
+        if steps_ahead >= steps_left(self.trainer, self.policy_handle):
             return None
         upcoming = self._shuffle.upcoming(steps_ahead * self.prompts_per_step)
         if upcoming is None:
             return None
         dataset = self.source.train_problems()
         return [dataset[i] for i in upcoming[-self.prompts_per_step:]]
-
-    def _steps_left(self) -> float:
-        """Rollout steps left in this fit and epoch, this one included (``inf`` when nothing bounds them)."""
-        left = math.inf
-        if self.trainer is None:
-            return left
-        fit_left = self.policy_handle.rollout_steps_left()
-        if fit_left is not None:
-            left = fit_left
-        epoch_batches = self.trainer.num_training_batches
-        if math.isfinite(epoch_batches):  # limit_train_batches applied; `ready` counts this epoch's batches so far
-            done = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
-            left = min(left, epoch_batches - done + 1)
-        return left
-
-    def _wait_for_background(self) -> None:
-        if self.lagged is not None:
-            self.lagged.wait()
 
     def _score(self, problems: list[Problem], n: int, sampling: SamplingConfig,
                first_group: int = 0) -> tuple[list[ScoredCompletion], int]:
@@ -389,51 +369,3 @@ class RolloutDataModule(pl.LightningDataModule):
         batch = self.scorer.to_batch(generated.rows, generated.version, self.sampling, sorted(all_union(names)))
         batch.stats.update(generated.stats)
         return batch
-
-    # -- evaluation ----------------------------------------------------------------------------------------
-    def _current_policy_engine(self, caller: str) -> int:
-        """The engine, free of background work, with the current policy's weights: their version."""
-        handle = self._policy(caller)
-        self._wait_for_background()
-        return self.engine_weights.sync(self.engine, handle)
-
-    @torch.no_grad()
-    def sample_batch(self, problems: list[Problem], n: int) -> RolloutBatch:
-        """``n`` scored completions per problem with the current policy and the training sampling settings, as a
-        :class:`RolloutBatch` (rows grouped by problem, in order); for diagnostics that need the completions' tokens,
-        e.g. their entropy under the policy. Nothing is filtered: no dynamic sampling."""
-        version = self._current_policy_engine("sample_batch")
-        rows, _ = self._score(problems, n, self.sampling)
-        self.engine.release()
-        return self.scorer.to_batch(rows, version, self.sampling)
-
-    @torch.no_grad()
-    def sample_completions(self, problems: list[Problem], n: int) -> list[list[tuple[str, bool]]]:
-        """``n`` completions per problem with the current policy and the training sampling settings.
-
-        Returns per problem a list of ``(text, correct)``; for diagnostics (e.g. mode retention on a probe set).
-        """
-        self._current_policy_engine("sample_completions")
-        rows, _ = self._score(problems, n, self.sampling)
-        self.engine.release()
-        return [[(r.text, r.score > 0.5) for r in rows[i * n : (i + 1) * n]] for i in range(len(problems))]
-
-    @torch.no_grad()
-    def evaluate(self, problems: list[Problem]) -> dict[str, torch.Tensor]:
-        """Greedy correctness and (if ``val_samples > 0``) unbiased pass@k and maj@k per held-out problem.
-
-        maj@k votes over the first ``val_k`` of the ``val_samples`` samples, by the verifier's ``answer_key``.
-        """
-        self._current_policy_engine("evaluate")
-        greedy = replace(self.sampling, greedy=True)
-        rows, _ = self._score(problems, 1, greedy)
-        result = {"greedy_correct": torch.tensor([r.score > 0.5 for r in rows], dtype=torch.float32)}
-        if self.val_samples > 0:
-            rows, _ = self._score(problems, self.val_samples, self.sampling)
-            correct = torch.tensor([r.score > 0.5 for r in rows], dtype=torch.float32).view(len(problems), -1)
-            result["pass_at_k"] = pass_at_k(self.val_samples, correct.sum(-1), self.val_k)
-            k = self.val_k
-            keys = [[self.verifier.answer_key(r.text) for r in rows[i * self.val_samples : i * self.val_samples + k]]
-                    for i in range(len(problems))]
-            result["maj_at_k"] = majority_vote_correct(keys, correct[:, :k].bool())
-        return result

@@ -17,12 +17,13 @@ tensors travelling over a collective group the trainer (rank 0) shares with the 
 Pausing also clears the server's prefix cache (its KV blocks were computed with the old weights). The group is set up
 at the first sync: ``GET /get_world_size`` gives ``W``, then ``POST /init_weight_transfer_engine`` and the trainer's
 side of the rendezvous run together. The tensors go *packed*: in the announced order, each tensor's bytes appended
-to a ``uint8`` buffer that is broadcast once its running size exceeds ``bucket_mb`` (:func:`packed_chunks`), the
-layout vLLM's receiver unpacks; the packing parameters go in ``update_info`` up to vLLM 0.27 and in ``init_info``
-from 0.28 (read from the server's ``GET /version``). The transport is NCCL through vLLM's own
-``StatelessProcessGroup`` and ``PyNcclCommunicator`` (:class:`NCCLWeightTransport`; the trainer needs vLLM installed,
-the server's version, and a CUDA device), or any :class:`WeightTransport` (the tests use gloo against a server
-stand-in).
+to a ``uint8`` buffer that is broadcast once its running size exceeds ``bucket_mb``
+(:func:`~lightning_rlvr.rollout.weight_transfer.packed_chunks`), the layout vLLM's receiver unpacks; the packing
+parameters go in ``update_info`` up to vLLM 0.27 and in ``init_info`` from 0.28 (read from the server's
+``GET /version``). The transport is NCCL through vLLM's own ``StatelessProcessGroup`` and ``PyNcclCommunicator``
+(:class:`~lightning_rlvr.rollout.weight_transfer.NCCLWeightTransport`; the trainer needs vLLM installed, the server's
+version, and a CUDA device), or any :class:`~lightning_rlvr.rollout.weight_transfer.WeightTransport` (the tests use
+gloo against a server stand-in).
 
 Start the server as::
 
@@ -39,7 +40,6 @@ import socket
 import threading
 import urllib.parse
 import warnings
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,132 +49,23 @@ from torch import Tensor, nn
 from lightning_rlvr.distributed import world_size
 from lightning_rlvr.lora import is_lora, merged_weights
 from lightning_rlvr.rollout.base import GenerationOutput, RolloutEngine, SamplingConfig
+from lightning_rlvr.rollout.weight_transfer import (
+    NCCLWeightTransport,
+    WeightTransport,
+    packed_chunks,
+    packing_info,
+    server_release,
+)
 from lightning_rlvr.sharding import full_weights, is_sharded
 
-__all__ = ["NCCLWeightTransport", "VLLMServerEngine", "WeightTransport", "packed_chunks", "packing_info"]
+__all__ = ["VLLMServerEngine"]
 
 _SERVER_HELP = ("start it with VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config "
                 "'{\"backend\": \"nccl\"}' --logprobs-mode processed_logprobs")
 
 
-def packed_chunks(nbytes: list[int], buffer_bytes: int) -> list[list[int]]:
-    """The indices of the tensors each packed broadcast carries, as vLLM's receiver groups them.
-
-    Tensors are taken in order and appended to the current chunk; the chunk is sent as soon as its running size
-    *exceeds* ``buffer_bytes`` (the tensor that crosses the limit travels in it), and what is left forms a last chunk.
-
-    Example::
-
-        >>> packed_chunks([4, 4, 4, 10, 1], buffer_bytes=7)
-        [[0, 1], [2, 3], [4]]
-    """
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    for index, count in enumerate(nbytes):
-        current.append(index)
-        size += count
-        if size > buffer_bytes:
-            chunks.append(current)
-            current, size = [], 0
-    if current:
-        chunks.append(current)
-    return chunks
-
-
-class WeightTransport(ABC):
-    """The data plane of a weight sync: a collective group in which the trainer is rank 0 and broadcasts ``uint8``
-    buffers to the server's workers (ranks ``1..world_size-1``).
-
-    Attributes:
-        library_version: the version of the vLLM whose classes the transport uses (``None``: none), checked against
-            the server's.
-    """
-
-    library_version: str | None = None
-
-    @abstractmethod
-    def connect(self, master_address: str, master_port: int, world_size: int) -> None:
-        """Join the group as rank 0 (blocks until every worker has joined; the store is served from here)."""
-
-    @abstractmethod
-    def broadcast(self, buffer: Tensor) -> None:
-        """Send ``buffer`` (``uint8``, 1-D) from rank 0 to every worker; returns once it is sent."""
-
-    @property
-    @abstractmethod
-    def device(self) -> torch.device:
-        """Where the buffers are staged."""
-
-    def close(self) -> None:
-        """Leave the group."""
-
-
-class NCCLWeightTransport(WeightTransport):
-    """vLLM's NCCL transport on the trainer's side: ``StatelessProcessGroup`` + ``PyNcclCommunicator``, the classes
-    vLLM's own workers receive with (rank 0 serves the group's store at ``master_address:master_port``), on the
-    current CUDA device. Broadcasts are enqueued on the current stream; the server's ``/update_weights`` reply
-    says they arrived.
-    """
-
-    def __init__(self) -> None:
-        self.communicator: Any = None
-        self._device: torch.device | None = None
-        try:
-            import vllm
-
-            self.library_version = vllm.__version__
-        except ImportError:
-            self.library_version = None
-
-    @property
-    def device(self) -> torch.device:
-        """The device the communicator was bound to at :meth:`connect`; before, the calling thread's current one."""
-        return self._device if self._device is not None else torch.device("cuda", torch.cuda.current_device())
-
-    def connect(self, master_address: str, master_port: int, world_size: int) -> None:
-        try:
-            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-            from vllm.distributed.utils import StatelessProcessGroup
-        except ImportError as err:
-            raise ImportError("VLLMServerEngine's NCCL weight transport needs vLLM on the trainer (the server's "
-                              "version) and a CUDA device: pip install 'lightning_rlvr[vllm]'") from err
-        group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=0, world_size=world_size)
-        # Fixed now: the current device is per thread, and a later push may come from the background thread.
-        self._device = torch.device("cuda", torch.cuda.current_device())
-        self.communicator = PyNcclCommunicator(group, device=self._device)
-        if getattr(self.communicator, "disabled", False):  # its broadcasts would do nothing while the server waits
-            raise RuntimeError("VLLMServerEngine: vLLM's PyNcclCommunicator disabled itself (world size 1, "
-                               "VLLM_DISABLE_PYNCCL set, or libnccl not found): no weights would reach the server")
-
-    def broadcast(self, buffer: Tensor) -> None:
-        self.communicator.broadcast(buffer, src=0, stream=torch.cuda.current_stream(self.device))
-
-    def close(self) -> None:
-        self.communicator = None
-
-
 #: vLLM's ``VLLM_MAX_COMPLETION_PROMPTS`` default (from 0.28): longer prompt lists go in several requests.
 MAX_PROMPTS_PER_REQUEST = 1024
-
-
-def _version(text: str) -> tuple[int, ...]:
-    """``"0.28.1.dev3+g1234"`` → ``(0, 28, 1)``."""
-    parts = []
-    for part in text.split("+")[0].split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-def packing_info(server_version: str, buffer_bytes: int) -> tuple[dict, dict]:
-    """``(init_info extras, update_info extras)`` announcing a packed update to a vLLM server of ``server_version``:
-    in ``update_info`` up to 0.27, in ``init_info`` from 0.28 (vLLM parses both with ``cls(**info)``, so a key in
-    the wrong one fails the update)."""
-    packing = {"packed": True, "packed_buffer_size_bytes": buffer_bytes, "packed_num_buffers": 2}
-    return (packing, {}) if _version(server_version) >= (0, 28) else ({}, packing)
 
 
 def _free_port(host: str) -> int:
@@ -217,7 +108,8 @@ class VLLMServerEngine(RolloutEngine):
         master_address: the trainer's address as the server's workers reach it (``None``: this machine's address on
             the route to the server).
         request_timeout_s: how long a generation request or a weight update may take.
-        transport_factory: builds the :class:`WeightTransport` (default :class:`NCCLWeightTransport`).
+        transport_factory: builds the :class:`~lightning_rlvr.rollout.weight_transfer.WeightTransport` (default
+            :class:`~lightning_rlvr.rollout.weight_transfer.NCCLWeightTransport`).
     """
 
     holds_own_weights = True  # the server's copy changes only at a sync
@@ -310,7 +202,7 @@ class VLLMServerEngine(RolloutEngine):
     def _connect(self) -> None:
         """Set up the weight-transfer group: the server's ``init_weight_transfer_engine`` and the trainer's side of
         the rendezvous, at the same time (each waits for the other)."""
-        if _version(self.server_version) < (0, 21):
+        if server_release(self.server_version) < (0, 21):
             raise RuntimeError(f"VLLMServerEngine: the server at {self.url} runs vLLM {self.server_version}; weight "
                                f"updates need vLLM >= 0.21 (start_weight_update / finish_weight_update)")
         workers = int(self._request("GET", "/get_world_size")["world_size"])
@@ -410,7 +302,8 @@ class VLLMServerEngine(RolloutEngine):
     def _resume_after_failure(self) -> None:
         """Best effort after a failed update: resume generation, and from vLLM 0.33 close the weight-transfer
         engine, so that the next sync starts a new one."""
-        paths = ["/resume"] + (["/shutdown_weight_transfer_engine"] if _version(self.server_version) >= (0, 33) else [])
+        closes = server_release(self.server_version) >= (0, 33)
+        paths = ["/resume"] + (["/shutdown_weight_transfer_engine"] if closes else [])
         for path in paths:
             with contextlib.suppress(Exception):
                 self._request("POST", path, timeout=30)

@@ -14,7 +14,8 @@ from test_process_engine import sampled_logprobs, valid
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from lightning_rlvr.rollout import SamplingConfig
-from lightning_rlvr.rollout.server import VLLMServerEngine, packed_chunks
+from lightning_rlvr.rollout.server import VLLMServerEngine
+from lightning_rlvr.rollout.weight_transfer import packed_chunks
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -209,7 +210,7 @@ def test_a_fit_at_a_lag_trains_on_the_servers_rollouts_of_the_generating_policy(
 
 
 def test_the_packing_fields_go_where_the_servers_vllm_version_parses_them():
-    from lightning_rlvr.rollout.server import packing_info
+    from lightning_rlvr.rollout.weight_transfer import packing_info
 
     packing = {"packed": True, "packed_buffer_size_bytes": 64, "packed_num_buffers": 2}
     # vLLM 0.28.0 (PR #50902) moved them from NCCLWeightTransferUpdateInfo into NCCLWeightTransferInitInfo
@@ -356,7 +357,7 @@ def test_a_disabled_nccl_communicator_is_refused_at_once(monkeypatch):
     import sys
     import types
 
-    from lightning_rlvr.rollout.server import NCCLWeightTransport
+    from lightning_rlvr.rollout.weight_transfer import NCCLWeightTransport
 
     created = []
 
