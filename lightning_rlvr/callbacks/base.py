@@ -159,6 +159,11 @@ class StepContext:
         self.metrics.log(name, value)
 
 
+def _trained_tokens(mask: Tensor, engine_weights: Tensor | None) -> Tensor:
+    """Response tokens (``mask > 0``) less those an engine correction's mask mode dropped (weight 0)."""
+    return mask > 0 if engine_weights is None else (mask > 0) & (engine_weights != 0)
+
+
 @dataclass
 class MinibatchView:
     """Detached per-token statistics of every row of one minibatch (or of one micro-batch, for
@@ -199,9 +204,7 @@ class MinibatchView:
     def valid(self) -> Tensor:
         """``(B, T)`` bool mask of the tokens the update trains on: response tokens, less those the engine
         correction's mask modes dropped (selections and flows are taken over these)."""
-        if self.engine_weights is None:
-            return self.mask > 0
-        return (self.mask > 0) & (self.engine_weights != 0)
+        return _trained_tokens(self.mask, self.engine_weights)
 
     def applied(self, per_token: Tensor) -> Tensor:
         """``per_token`` times the engine importance weights (unchanged without a correction): e.g. a predicted
@@ -312,7 +315,7 @@ class MicroBatchContext:
     @property
     def valid(self) -> Tensor:
         """``(b, T)`` bool mask of valid tokens (response tokens the engine correction did not drop)."""
-        return self.mask > 0 if self.engine_weights is None else (self.mask > 0) & (self.engine_weights != 0)
+        return _trained_tokens(self.mask, self.engine_weights)
 
 
 

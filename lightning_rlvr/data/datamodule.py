@@ -42,12 +42,7 @@ from lightning_rlvr.data.evaluation import PolicySampling
 from lightning_rlvr.data.policy_handle import EngineWeights, PolicyHandle
 from lightning_rlvr.data.samplers import ProblemDataset, ResumableShuffle, as_list, resumable_shuffle
 from lightning_rlvr.data.scoring import (
-    CompletionScorer,
-    GeneratedRollout,
-    PromptFormatter,
-    ScoredCompletion,
-    component_names,
-)
+    CompletionScorer, GeneratedRollout, PromptFormatter, ScoredCompletion, component_names)
 from lightning_rlvr.data.sources import BuiltinTask, PromptSource
 from lightning_rlvr.distributed import all_union
 from lightning_rlvr.rng import rng_state, set_rng_state
